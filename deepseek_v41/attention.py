@@ -1,0 +1,223 @@
+"""CSA2 attention (architecture.md §5): sliding window + shared compressed KV chosen by an indexer.
+
+Layer modes (from ``compress_ratios`` / ``kv_source_layer_ids`` / ``index_source_layer_ids``):
+* ``window``  — ratio 0: the 128-token sliding window only.
+* ``full``    — owns a compressor (publishes compressed KV and index keys) and an indexer (publishes top-k);
+                the ``candidate_source_layer_id`` also publishes the candidate-block mask.
+* ``reindex`` — owns an indexer (``wq_b``, ``weights_proj``) scoring the Full layer's index keys inside the
+                candidate blocks; publishes its own top-k.
+* ``reuse``   — reads the latest Full layer's compressed KV and the latest Full/Reindex top-k.
+What sources publish lives in a per-forward ``CSA2State`` (never module globals), so activation
+recomputation sees the same tensors.
+"""
+
+import torch
+from torch import nn
+
+from .layers import make_linear, make_rms_norm
+from .quantization import fp4_e4m3_scale_qdq, fp4_qdq, fp8_qdq
+from .rope import apply_rope, rope_cis, rope_frequencies
+from .sparse_attention import indexer_scores_torch, sparse_attention_torch
+
+
+class CSA2State:
+    """Per-forward values published by source layers: {(layer, name): tensor}.
+
+    Written once per forward; a second write of the same slot (activation recomputation re-running a
+    source layer) keeps the first value, so consumers always see what the original forward produced.
+    """
+
+    def __init__(self):
+        self._slots = {}
+
+    def publish(self, layer: int, name: str, value: torch.Tensor) -> None:
+        self._slots.setdefault((layer, name), value)
+
+    def read(self, layer: int, name: str) -> torch.Tensor:
+        if (layer, name) not in self._slots:
+            raise RuntimeError(f"CSA2 state has no {name!r} from layer {layer}: source layers must run first")
+        return self._slots[(layer, name)]
+
+
+def attention_backend(name: str):
+    """(sparse attention, indexer scores) implementations for the ``attn`` backend name."""
+    if name == "tilelang":
+        from .kernels_tilelang import indexer_scores_tilelang, sparse_attention_tilelang
+
+        return sparse_attention_tilelang, indexer_scores_tilelang
+    return sparse_attention_torch, indexer_scores_torch
+
+
+def sliding_window_indices(s: int, window: int, device) -> torch.Tensor:
+    # [s, window]: query i sees positions max(0, i - window + 1) .. i; -1 pads the start
+    idx = torch.arange(s, device=device).unsqueeze(1) - (window - 1) + torch.arange(window, device=device)
+    return idx.masked_fill(idx < 0, -1)
+
+
+def layer_rope_frequencies(config, layer: int) -> torch.Tensor:
+    if config.compress_ratios[layer] == 0:
+        return rope_frequencies(config.qk_rope_head_dim, config.rope_theta, None)
+    return rope_frequencies(config.qk_rope_head_dim, config.compress_rope_theta, config.rope_scaling)
+
+
+class Compressor(nn.Module):
+    """Full layers: one latent per group of ``ratio`` tokens (per-channel softmax pooling for ratio 2)."""
+
+    def __init__(self, config, ratio: int, backend: dict):
+        super().__init__()
+        self.ratio = ratio
+        # Ratio 2 holds and computes wkv/wgate in fp32 (an fp32 island); ratio 1 keeps wkv in the model dtype.
+        fp32 = torch.float32 if ratio == 2 else None
+        self.wkv = make_linear(config.hidden_size, config.head_dim, backend, dtype=fp32)
+        if ratio == 2:
+            self.wgate = make_linear(config.hidden_size, config.head_dim, backend, dtype=fp32)
+        self.norm = make_rms_norm(config.head_dim, config.rms_norm_eps, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [b, s, dim] -> pre-RoPE latent [b, s // ratio, head_dim]; a trailing partial group is dropped
+        if self.ratio == 1:
+            return self.norm(self.wkv(x))
+        b, s, _ = x.shape
+        T = s // self.ratio
+        x32 = x[:, : T * self.ratio].float()
+        kv = self.wkv(x32).unflatten(1, (T, self.ratio))  # [b, T, r, head_dim] fp32
+        score = self.wgate(x32).unflatten(1, (T, self.ratio))
+        latent = (torch.softmax(score, dim=2) * kv).sum(2)
+        return self.norm(latent.to(x.dtype))
+
+
+class Indexer(nn.Module):
+    """Scores compressed entries for each query and keeps the top ``index_topk`` (frozen: no LM gradient)."""
+
+    def __init__(self, config, owns_keys: bool, backend: dict):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = make_linear(config.q_lora_rank, self.n_heads * self.head_dim, backend)
+        self.weights_proj = make_linear(config.hidden_size, self.n_heads, backend)
+        if owns_keys:
+            self.wk = make_linear(config.head_dim, self.head_dim, backend)
+            self.k_norm = make_rms_norm(self.head_dim, config.rms_norm_eps, backend)
+
+    def keys(self, latent: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+        # pre-RoPE latent [b, T, head_dim] -> index keys [b, T, index_head_dim] (RoPE at j·r, MXFP4 boundary)
+        return fp4_qdq(apply_rope(self.k_norm(self.wk(latent)), cis))
+
+    def scores(self, x, qr, cis, index_k, ratio, score_fn) -> torch.Tensor:
+        # x [b, s, dim], qr [b, s, q_lora] -> fp32 [b, s, T], causally invisible entries at -inf
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = fp4_qdq(apply_rope(q, cis))
+        weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return score_fn(q, weights, index_k, ratio)
+
+
+def candidate_blocks(scores: torch.Tensor, ratio: int, block: int, topk_blocks: int) -> torch.Tensor:
+    """Stage 1 of the two-level top-k (§5.5): bool [b, s, T], True inside the kept blocks of each query."""
+    b, s, T = scores.shape
+    n_blocks = -(-T // block)
+    padded = nn.functional.pad(scores, (0, n_blocks * block - T), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (n_blocks, block)).amax(-1)  # [b, s, n_blocks]
+    # The block holding the newest visible entry is always kept: it is partly filled and could lose.
+    visible = (torch.arange(s, device=scores.device) + 1) // ratio
+    newest = ((visible - 1) // block).clamp(min=0)
+    force = torch.zeros(s, n_blocks, dtype=torch.bool, device=scores.device)
+    force[torch.arange(s, device=scores.device), newest] = visible > 0
+    block_scores = block_scores.masked_fill(force, float("inf"))
+    top, chosen = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, chosen, top > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :T]
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    # fp32 [b, s, T] -> int64 [b, s, min(k, T)] in position order; picks with score -inf become -1
+    top, idx = scores.topk(min(k, scores.shape[-1]), dim=-1)
+    idx = idx.masked_fill(top == float("-inf"), -1)
+    return idx.sort(dim=-1).values
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer: int, backend: dict):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.window = config.sliding_window
+        self.o_groups, self.o_lora_rank = config.o_groups, config.o_lora_rank
+        self.eps = config.rms_norm_eps
+        self.q_head_rescale = config.q_head_rescale
+        self.ratio = config.compress_ratios[layer]
+        self.mode = config.attention_mode(layer)
+        self.kv_source = config.kv_source_of(layer)
+        self.index_source = config.index_source_of(layer)
+        self.candidate_source = config.candidate_source_layer_id
+        self.index_topk = config.index_topk
+        self.candidate_block_size = config.candidate_block_size
+        self.candidate_topk_blocks = config.candidate_topk_blocks
+        self.sparse_attention, self.indexer_scores = attention_backend(backend["attn"])
+
+        dim = config.hidden_size
+        self.wq_a = make_linear(dim, config.q_lora_rank, backend)
+        self.q_norm = make_rms_norm(config.q_lora_rank, self.eps, backend)
+        self.wq_b = make_linear(config.q_lora_rank, self.n_heads * self.head_dim, backend)
+        self.wkv = make_linear(dim, self.head_dim, backend)
+        self.kv_norm = make_rms_norm(self.head_dim, self.eps, backend)
+        # wo_a is block-diagonal: group g maps its n_heads/o_groups heads to o_lora_rank channels.
+        self.wo_a = make_linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank, backend)
+        self.wo_b = make_linear(self.o_groups * self.o_lora_rank, dim, backend)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        if self.mode == "full":
+            self.compressor = Compressor(config, self.ratio, backend)
+        if self.mode in ("full", "reindex"):
+            self.indexer = Indexer(config, owns_keys=self.mode == "full", backend=backend)
+        # fp32 [rope_dim / 2]; a plain attribute, not a buffer, so meta-device init leaves nothing to restore
+        self.rope_freqs = layer_rope_frequencies(config, layer)
+
+    def forward(self, x: torch.Tensor, state: CSA2State) -> torch.Tensor:
+        # x [b, s, dim] (normed attention input) -> [b, s, dim]
+        b, s, _ = x.shape
+        positions = torch.arange(s, device=x.device)
+        cis = rope_cis(positions, self.rope_freqs)  # [s, rope_dim / 2]
+
+        qr = self.q_norm(self.wq_a(x))  # [b, s, q_lora]
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, h, head_dim]
+        if self.q_head_rescale:  # V4's per-head q RMS; absent from the official V4.1 code (off by default)
+            q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+        q = apply_rope(q, cis)
+        window_kv = fp8_qdq(apply_rope(self.kv_norm(self.wkv(x)), cis))  # [b, s, head_dim]
+        idx = sliding_window_indices(s, self.window, x.device).expand(b, s, -1)
+
+        kv = window_kv
+        if self.ratio:
+            compressed_kv = self._compressed_branch(x, qr, cis, positions, state)  # [b, T, head_dim]
+            topk = state.read(self.index_source, "topk")  # [b, s, k] entry ids, -1 = none
+            kv = torch.cat([window_kv, compressed_kv], dim=1)
+            idx = torch.cat([idx, torch.where(topk >= 0, topk + s, -1)], dim=-1)
+
+        o = self.sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)  # [b, s, h, head_dim]
+        o = apply_rope(o, cis, inverse=True)  # K = V carries rotated channels: undo at the query position
+        o = o.reshape(b, s, self.o_groups, -1)
+        wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a.to(o.dtype))  # [b, s, groups, o_lora]
+        return self.wo_b(o.flatten(2))
+
+    def _compressed_branch(self, x, qr, cis, positions, state):
+        # Publishes (as a source) and returns the shared compressed KV [b, T, head_dim].
+        r = self.ratio
+        if self.mode == "full":
+            latent = self.compressor(x)  # pre-RoPE [b, T, head_dim]
+            T = latent.shape[1]
+            entry_cis = rope_cis(positions[:T] * r, self.rope_freqs)  # entry j sits at its first token j·r
+            with torch.no_grad():  # index keys only feed the hard top-k
+                state.publish(self.layer, "index_k", self.indexer.keys(latent, entry_cis))
+            state.publish(self.layer, "compressed_kv", fp4_e4m3_scale_qdq(apply_rope(latent, entry_cis)))
+        if self.mode in ("full", "reindex"):
+            index_k = state.read(self.kv_source, "index_k")
+            with torch.no_grad():  # hard top-k: the indexer gets no LM gradient
+                scores = self.indexer.scores(x, qr, cis, index_k, r, self.indexer_scores)
+                if self.layer == self.candidate_source:
+                    state.publish(self.layer, "candidates", candidate_blocks(
+                        scores, r, self.candidate_block_size, self.candidate_topk_blocks))
+                elif 0 <= self.candidate_source < self.layer:
+                    candidates = state.read(self.candidate_source, "candidates")
+                    scores = scores.masked_fill(~candidates, float("-inf"))
+                state.publish(self.layer, "topk", select_topk(scores, self.index_topk))
+        return state.read(self.kv_source, "compressed_kv")

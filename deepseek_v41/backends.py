@@ -1,0 +1,64 @@
+"""Kernel-backend registry: which implementations exist for each backend kind, and whether they can run here.
+
+``config.backend`` is a dict ``{kind: name}`` over the kinds below.  A name that is not registered is a
+``ValueError`` listing the registered ones; a registered name whose package or hardware is missing is a
+``RuntimeError`` that names what is missing.  The model asks this module for implementations once, at
+construction, and never branches on backend names inside a forward.
+"""
+
+import importlib.util
+
+import torch
+
+DEFAULT_BACKEND = {
+    "attn": "torch",
+    "linear": "torch",
+    "rms_norm": "torch_fp32",
+    "experts": "torch_mm",
+    "dispatcher": "local",
+}
+
+# kind -> name -> (python packages needed, needs CUDA)
+_REGISTRY = {
+    "attn": {"torch": ((), False), "tilelang": (("tilelang",), True)},
+    "linear": {"torch": ((), False), "te": (("transformer_engine",), True)},
+    "rms_norm": {"torch_fp32": ((), False), "torch": ((), False), "te": (("transformer_engine",), True)},
+    "experts": {"torch_mm": ((), False), "torch": ((), False)},
+    # "local": every expert on this process. "torch" / "hybridep": expert parallelism, installed by the
+    # training code (deepseek_v41.training) after the process group exists.
+    "dispatcher": {"local": ((), False), "torch": ((), False), "hybridep": (("deep_ep",), True)},
+}
+
+_INSTALL_HINT = {
+    "tilelang": "pip install 'deepseek_v41[gpu]'",
+    "transformer_engine": "pip install transformer-engine[pytorch]",
+    "deep_ep": "install DeepEP's hybrid-ep branch (HybridEP)",
+}
+
+
+def resolve_backend(overrides=None) -> dict:
+    """Defaults updated with ``overrides``; unknown kinds or names raise ``ValueError``."""
+    backend = dict(DEFAULT_BACKEND)
+    for kind, name in (overrides or {}).items():
+        if kind not in _REGISTRY:
+            raise ValueError(f"unknown backend kind {kind!r}; the kinds are {sorted(_REGISTRY)}")
+        if name not in _REGISTRY[kind]:
+            raise ValueError(
+                f"unknown {kind} backend {name!r}; registered {kind} backends: {sorted(_REGISTRY[kind])}"
+            )
+        backend[kind] = name
+    return backend
+
+
+def check_available(backend: dict) -> None:
+    """Raise ``RuntimeError`` naming the missing package or hardware for any backend that cannot run here."""
+    for kind, name in backend.items():
+        packages, needs_cuda = _REGISTRY[kind][name]
+        if needs_cuda and not torch.cuda.is_available():
+            raise RuntimeError(f"{kind} backend {name!r} needs a CUDA GPU, and none is available here")
+        for package in packages:
+            if importlib.util.find_spec(package) is None:
+                raise RuntimeError(
+                    f"{kind} backend {name!r} needs the package {package!r}, which is not installed "
+                    f"({_INSTALL_HINT.get(package, 'install it')})"
+                )

@@ -1,0 +1,924 @@
+"""Released DeepSeek-V4.1 checkpoints: decode FP8/FP4 weights, stream them into a model, export floating point.
+
+A released snapshot (architecture.md §12) is `config.json` (with `quantization_config`) plus
+`model.safetensors.index.json` and shards. Three quantized formats occur, all of them "codes times a
+power-of-two scale per group of 32 along a row", which is how this module decodes them:
+
+- FP8 linear weight `X.weight` F8_E4M3 [out, in] + `X.scale` [ceil(out/32), ceil(in/32)] (32x32 blocks);
+- FP4 routed expert `...experts.{e}.w{1,2,3}.weight` I8 [out, in/2] (two E2M1 codes per byte, low nibble
+  first) + `.scale` [out, ceil(in/32)];
+- FP8 Engram table `layers.{L}.engram.embed.weight` F8_E4M3 [rows, d] + `embed.scale` [rows, ceil(d/32)].
+
+Scales are F8_E8M0 (2^(e-127)) or, in some older releases, F32: we branch on the scale dtype. A
+floating-point export has the same names, no `.scale` tensors and no `quantization_config`.
+
+The model's parameter names equal the released names, except that routed experts are stacked per
+layer: released `layers.{i}.ffn.experts.{e}.w1.weight` is row e of model `layers.{i}.ffn.experts.w1`.
+
+Loading streams shard by shard and, inside a tensor, row block by row block, reading only the bytes it
+needs, so memory beyond the model stays at a few row blocks (one shard at most).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# E2M1 code -> value; bit 3 is the sign (code 8 is -0).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+# safetensors dtype string -> torch dtype (the ones a V4.1 checkpoint or its export can hold)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "I8", "U8")
+SCALE_DTYPES = ("F8_E8M0", "F32")
+# torch dtypes a floating-point export must not contain
+_QUANTIZED_TORCH_DTYPES = {
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.int8, torch.uint8
+}
+
+# ~64K output elements per step on CPU keeps the gather, the index and the scaling in L2.
+_CPU_CHUNK_ELEMENTS = 1 << 16
+# Row blocks the loader decodes at once (output bytes); bounds the memory beyond the model.
+LOAD_BLOCK_BYTES = 64 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is; the message names the tensor and the file."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scales, decoders, encoders
+# ----------------------------------------------------------------------------------------------------
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scale bytes -> fp32 multipliers 2^(e-127); F32 scales (older releases) pass through."""
+    if scale.dtype == torch.float32:
+        return scale
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"scale dtype {scale.dtype} is neither float8_e8m0fnu (UE8M0) nor float32")
+    if bool((scale.view(torch.uint8) == 255).any()):
+        raise ValueError("UE8M0 scale contains the NaN byte 255: the checkpoint is corrupted")
+    return scale.float()
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pair(block: int | tuple[int, int]) -> tuple[int, int]:
+    return (block, block) if isinstance(block, int) else (int(block[0]), int(block[1]))
+
+
+def _work_dtype(dtype: torch.dtype, scale: torch.Tensor) -> torch.dtype:
+    # Codes times a power of two are exact in fp32 and bf16 (same exponent range), so an E8M0-scaled
+    # decode can run in bf16 with one rounding; an F32 scale needs the product in fp32 first.
+    if scale.dtype == torch.float8_e8m0fnu and dtype in (torch.float32, torch.bfloat16):
+        return dtype
+    return torch.float32
+
+
+_TABLES: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _e4m3_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # [256] value of every E4M3 byte in `dtype`
+    key = ("e4m3", dtype, device)
+    if key not in _TABLES:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        _TABLES[key] = codes.float().to(dtype=dtype, device=device)
+    return _TABLES[key]
+
+
+def _e2m1_pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # [256] both E2M1 values of a packed byte (low nibble first), as one int32 (bf16 pair) / int64 (fp32 pair)
+    key = ("e2m1x2", dtype, device)
+    if key not in _TABLES:
+        values = torch.tensor(E2M1_VALUES, dtype=dtype)
+        byte = torch.arange(256)
+        pairs = torch.stack([values[byte & 0xF], values[byte >> 4]], dim=-1).contiguous()  # [256, 2]
+        packed_dtype = {torch.float32: torch.int64, torch.bfloat16: torch.int32}[dtype]
+        _TABLES[key] = pairs.view(packed_dtype).reshape(256).to(device)
+    return _TABLES[key]
+
+
+def _scale_groups_(out: torch.Tensor, row_scale: torch.Tensor, group: int) -> None:
+    # out [r, c] *= row_scale [r, ceil(c/group)] broadcast over each group of `group` columns
+    cols = out.shape[1]
+    full = cols // group
+    if full:
+        out[:, : full * group].unflatten(1, (full, group)).mul_(row_scale[:, :full, None])
+    if cols % group:
+        out[:, full * group:].mul_(row_scale[:, full:full + 1])
+
+
+def _row_steps(rows: int, cols: int, device: torch.device) -> Iterator[tuple[int, int]]:
+    step = max(1, _CPU_CHUNK_ELEMENTS // max(cols, 1)) if device.type == "cpu" else max(rows, 1)
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+def _decode_fp8_row_scaled(
+    q: torch.Tensor, row_scale: torch.Tensor, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    # q [r, c] E4M3, row_scale [r, ceil(c/group)] fp32/UE8M0 (one scale row per q row) -> [r, c] dtype
+    work = _work_dtype(dtype, row_scale)
+    scale = e8m0_to_float(row_scale).to(device=q.device, dtype=work)
+    table = _e4m3_table(work, q.device)
+    codes = q.view(torch.uint8)
+    out = torch.empty(q.shape, dtype=work, device=q.device)
+    for start, stop in _row_steps(q.shape[0], q.shape[1], q.device):
+        index = codes[start:stop].reshape(-1).to(torch.int32)
+        torch.index_select(table, 0, index, out=out[start:stop].view(-1))
+        _scale_groups_(out[start:stop], scale[start:stop], group)
+    return out.to(dtype)
+
+
+def _take_rows(scale: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    # scale rows by index; UE8M0 goes through its bytes (not every device indexes float8 directly)
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8).index_select(0, index).view(scale.dtype)
+    return scale.index_select(0, index)
+
+
+def _check_2d(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(tensor.shape)}")
+
+
+def decode_fp8_blockwise(
+    q: torch.Tensor, scale: torch.Tensor, block: int | tuple[int, int] = 32, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """FP8 weight q [out, in] E4M3 with block scales [ceil(out/bo), ceil(in/bi)] -> W [out, in] in `dtype`.
+
+    W[i, j] = float(q[i, j]) * S[i // bo, j // bi]; edge blocks are partial (ceil grid).
+    """
+    bo, bi = _pair(block)
+    _check_2d("FP8 weight", q)
+    expected = (_ceil_div(q.shape[0], bo), _ceil_div(q.shape[1], bi))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)} with {bo}x{bi} "
+            f"blocks: expected the ceil grid {expected}"
+        )
+    row_block = torch.arange(q.shape[0], device=scale.device) // bo
+    return _decode_fp8_row_scaled(q, _take_rows(scale, row_block), bi, dtype)
+
+
+def decode_fp8_rows(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    group: int = 32,
+    rows: slice | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """FP8 table q [rows, d] E4M3 with per-row scales [rows, ceil(d/group)] -> E[rows, d] (or E[rows_slice]).
+
+    E[r, c] = float(q[r, c]) * S[r, c // group]. `rows` decodes only a row range (row-owner sharding).
+    """
+    _check_2d("FP8 table", q)
+    expected = (q.shape[0], _ceil_div(q.shape[1], group))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"FP8 row scale shape {tuple(scale.shape)} does not match table {tuple(q.shape)}: "
+                         f"expected {expected}")
+    if rows is not None:
+        q, scale = q[rows], scale[rows]
+    return _decode_fp8_row_scaled(q, scale, group, dtype)
+
+
+def decode_fp4_packed(
+    packed: torch.Tensor, scale: torch.Tensor, group: int = 32, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """FP4 expert weight packed [out, in/2] I8/U8 with scales [out, ceil(in/group)] -> W [out, in] in `dtype`.
+
+    Byte k of a row holds element 2k in its low nibble and 2k+1 in its high nibble (E2M1 codes).
+    """
+    _check_2d("FP4 packed weight", packed)
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"FP4 packed weight must be int8/uint8 bytes, got {packed.dtype}")
+    out_features, in_features = packed.shape[0], 2 * packed.shape[1]
+    expected = (out_features, _ceil_div(in_features, group))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not match packed weight "
+                         f"{tuple(packed.shape)} (unpacked [{out_features}, {in_features}]): expected {expected}")
+    work = _work_dtype(dtype, scale)
+    row_scale = e8m0_to_float(scale).to(device=packed.device, dtype=work)
+    table = _e2m1_pair_table(work, packed.device)
+    codes = packed.view(torch.uint8)
+    out = torch.empty((out_features, in_features), dtype=work, device=packed.device)
+    pairs = out.view(table.dtype)  # [out, in/2]: one table entry per packed byte
+    for start, stop in _row_steps(out_features, in_features, packed.device):
+        index = codes[start:stop].reshape(-1).to(torch.int32)
+        torch.index_select(table, 0, index, out=pairs[start:stop].view(-1))
+        _scale_groups_(out[start:stop], row_scale[start:stop], group)
+    return out.to(dtype)
+
+
+def _pow2_scale_exponent(amax: torch.Tensor, level_max: float) -> torch.Tensor:
+    # exact ceil(log2(amax / level_max)) as int32 (frexp avoids log2 rounding at powers of two)
+    mantissa, exponent = torch.frexp(amax / level_max)  # x = m * 2^e, m in [0.5, 1)
+    return (exponent - (mantissa == 0.5).to(exponent.dtype)).clamp(-127, 127)
+
+
+def _exponent_to_e8m0(exponent: torch.Tensor) -> torch.Tensor:
+    return (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _blocked_amax(w: torch.Tensor, bo: int, bi: int) -> torch.Tensor:
+    # max |w| over each bo x bi block, zero-padded at the ragged edges -> [ceil(out/bo), ceil(in/bi)]
+    rows, cols = w.shape
+    padded = torch.nn.functional.pad(w.abs(), (0, -cols % bi, 0, -rows % bo))
+    return padded.unflatten(1, (-1, bi)).unflatten(0, (-1, bo)).amax(dim=(1, 3))
+
+
+def _encode_fp8(w: torch.Tensor, bo: int, bi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_2d("weight", w)
+    w = w.float()
+    exponent = _pow2_scale_exponent(_blocked_amax(w, bo, bi).clamp_min(1e-4), E4M3_MAX)  # [gr, gc]
+    inverse = torch.ldexp(torch.ones_like(w), -exponent.repeat_interleave(bo, 0)[: w.shape[0]]
+                          .repeat_interleave(bi, 1)[:, : w.shape[1]])
+    q = (w * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # RNE
+    return q, _exponent_to_e8m0(exponent)
+
+
+def encode_fp8_blockwise(w: torch.Tensor, block: int | tuple[int, int] = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (q E4M3 [out, in], scale UE8M0 [ceil(out/bo), ceil(in/bi)]), scale = 2^ceil(log2(amax/448))."""
+    return _encode_fp8(w, *_pair(block))
+
+
+def encode_fp8_rows(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table [rows, d] -> (q E4M3 [rows, d], scale UE8M0 [rows, ceil(d/group)]), one scale per row and group."""
+    return _encode_fp8(w, 1, group)
+
+
+def encode_fp4_packed(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] (in even) -> (packed I8 [out, in/2], scale UE8M0 [out, ceil(in/group)]).
+
+    scale = 2^ceil(log2(amax/6)) per group (amax floored at 6 * 2^-126); each element becomes the nearest
+    E2M1 level of clamp(w/scale, +-6), ties to the even code; low nibble = even column.
+    """
+    _check_2d("weight", w)
+    if w.shape[1] % 2:
+        raise ValueError(f"FP4 packing needs an even number of columns, got shape {tuple(w.shape)}")
+    w = w.float()
+    exponent = _pow2_scale_exponent(_blocked_amax(w, 1, group).clamp_min(E2M1_MAX * 2.0**-126), E2M1_MAX)
+    inverse = torch.ldexp(torch.ones_like(w), -exponent.repeat_interleave(group, 1)[:, : w.shape[1]])
+    x = (w * inverse).clamp(-E2M1_MAX, E2M1_MAX)
+    magnitude = x.abs()
+    # midpoints between levels k and k+1; a tie goes to the even code: k when k is even, k+1 when odd
+    ties_down = torch.tensor([0.25, 1.25, 2.5, 5.0])  # k = 0, 2, 4, 6: round up only when strictly above
+    ties_up = torch.tensor([0.75, 1.75, 3.5])  # k = 1, 3, 5: round up at the midpoint
+    code = torch.bucketize(magnitude, ties_down, right=False) + torch.bucketize(magnitude, ties_up, right=True)
+    code = code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    return packed.view(torch.int8), _exponent_to_e8m0(exponent)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Names
+# ----------------------------------------------------------------------------------------------------
+
+_RELEASED_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
+_MODEL_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<proj>w[123])$")
+_ENGRAM_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
+SKIPPED_PREFIXES = ("mtp.",)  # DSpark draft stages: released, not implemented by the model
+
+
+def released_to_model_name(name: str) -> tuple[str, int | None]:
+    """Released tensor name -> (model parameter name, expert row or None).
+
+    `layers.{i}.ffn.experts.{e}.w1.weight` -> (`layers.{i}.ffn.experts.w1`, e); every other name is unchanged.
+    """
+    if name.endswith(".scale"):
+        raise ValueError(f"{name!r} is a scale: it is consumed by decoding and has no model counterpart")
+    match = _RELEASED_EXPERT.match(name)
+    if match:
+        return f"{match['prefix']}.{match['proj']}", int(match["expert"])
+    return name, None
+
+
+def model_to_released_name(model_name: str, expert_index: int | None = None) -> str:
+    """Inverse of `released_to_model_name`."""
+    match = _MODEL_EXPERT.match(model_name)
+    if match and expert_index is not None:
+        return f"{match['prefix']}.{expert_index}.{match['proj']}.weight"
+    if match or expert_index is not None:
+        raise ValueError(f"{model_name!r} with expert_index={expert_index}: only stacked routed experts "
+                         "(`...ffn.experts.w{1,2,3}`) take an expert index, and they need one")
+    return model_name
+
+
+def released_items(model_name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model state item -> the released items it stands for (stacked experts [E, ...] split into E rows)."""
+    if _MODEL_EXPERT.match(model_name) and tensor.dim() == 3:
+        for expert in range(tensor.shape[0]):
+            yield model_to_released_name(model_name, expert), tensor[expert]
+    else:
+        yield model_name, tensor
+
+
+def scale_name(weight_name: str) -> str:
+    """`X.weight` -> `X.scale` (FP8/FP4 weights and Engram tables alike)."""
+    return weight_name.removesuffix(".weight") + ".scale"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one stored tensor lives: file, safetensors dtype string, shape and absolute byte offset."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorRecord]:
+    """Parse and check a safetensors header without reading tensor data (truncation, corruption, dtypes)."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file (truncated?)")
+        header_len = int.from_bytes(prefix, "little")
+        if 8 + header_len > size:
+            raise CheckpointError(f"{path}: the header claims {header_len} bytes but the file has {size} "
+                                  "(truncated or not a safetensors file)")
+        raw = handle.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupted safetensors header ({exc}); re-download this shard") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupted safetensors header (not a JSON object)")
+    data_start = 8 + header_len
+    records = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"{path}: corrupted header entry for tensor {name!r}: {info!r}") from exc
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        itemsize = SAFETENSORS_DTYPES[dtype].itemsize
+        if end - begin != math.prod(shape) * itemsize or begin < 0:
+            raise CheckpointError(f"{path}: tensor {name!r} {dtype}{list(shape)} has data_offsets "
+                                  f"[{begin}, {end}] of the wrong length (corrupted header)")
+        if data_start + end > size:
+            raise CheckpointError(f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has "
+                                  f"{size} bytes (truncated shard; re-download it)")
+        records[name] = TensorRecord(name, path, dtype, shape, data_start + begin, end - begin)
+    return records
+
+
+def _read_bytes(record: TensorRecord, start: int, nbytes: int) -> torch.Tensor:
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    with open(record.file, "rb") as handle:
+        handle.seek(record.offset + start)
+        got = handle.readinto(memoryview(buffer.numpy()))
+    if got != nbytes:
+        raise CheckpointError(f"{record.file}: short read of tensor {record.name!r} (file changed or truncated)")
+    return buffer
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One logical tensor of a checkpoint: its weight record, its scale record (quantized only) and format."""
+
+    name: str
+    record: TensorRecord
+    scale: TensorRecord | None
+    fmt: str  # "plain" | "fp8_block" | "fp8_rows" | "fp4"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Decoded shape (FP4 bytes hold two columns)."""
+        if self.fmt == "fp4":
+            return (self.record.shape[0], 2 * self.record.shape[1])
+        return self.record.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype `decode` returns by default: fp32 for quantized formats, else the stored dtype."""
+        return torch.float32 if self.fmt != "plain" else SAFETENSORS_DTYPES[self.record.dtype]
+
+    @property
+    def where(self) -> str:
+        files = {self.record.file.name} | ({self.scale.file.name} if self.scale else set())
+        return " and ".join(sorted(files))
+
+
+class ReleasedCheckpoint:
+    """A released (quantized) or floating-point-export checkpoint directory, validated when opened.
+
+    `tensors` maps every non-scale tensor name to a `StoredTensor`; `decode(name, rows)` returns
+    floating-point values. Scales may live in another shard than their weight.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, group: int = 32):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a checkpoint directory")
+        self.config = self._read_config()
+        self.quantization_config = (self.config or {}).get("quantization_config")
+        block = (self.quantization_config or {}).get("weight_block_size", [32, 32])
+        self.block = _pair(tuple(block))
+        self.group = group
+        self.records = self._read_records()
+        self.tensors = self._pair_scales()
+        self._check_config_against_weights()
+
+    @property
+    def is_quantized(self) -> bool:
+        """True for a released quantized checkpoint (`quantization_config` and quantized tensors)."""
+        return self.quantization_config is not None
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted({record.file for record in self.records.values()})
+
+    # -- opening ---------------------------------------------------------------------------------------
+
+    def _read_config(self) -> dict | None:
+        path = self.path / CONFIG_FILE
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+
+    def _read_records(self) -> dict[str, TensorRecord]:
+        index_path = self.path / INDEX_FILE
+        if index_path.exists():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index_path}: not a safetensors index (needs a `weight_map`): {exc}") from exc
+            by_file = defaultdict(list)
+            for name, file in weight_map.items():
+                by_file[file].append(name)
+            for file, names in by_file.items():
+                if not (self.path / file).is_file():
+                    raise CheckpointError(f"shard {self.path / file} is listed in {index_path} (tensor {names[0]!r}"
+                                          f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}) but does "
+                                          "not exist: the download is incomplete")
+        elif (self.path / SINGLE_FILE).is_file():
+            index_path = self.path / SINGLE_FILE
+            by_file = {SINGLE_FILE: list(read_safetensors_header(index_path))}
+        else:
+            raise CheckpointError(f"{self.path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+        records = {}
+        for file, names in sorted(by_file.items()):
+            header = read_safetensors_header(self.path / file)
+            for name in names:
+                if name not in header:
+                    raise CheckpointError(f"{index_path} maps tensor {name!r} to {self.path / file}, "
+                                          "which does not contain it")
+                records[name] = header[name]
+            unlisted = sorted(set(header) - set(names))
+            if unlisted:
+                raise CheckpointError(f"{self.path / file} holds tensor {unlisted[0]!r} that {index_path} does "
+                                      "not list: the index and the shards are from different snapshots")
+        return records
+
+    def _pair_scales(self) -> dict[str, StoredTensor]:
+        tensors = {}
+        for name, record in self.records.items():
+            if name.endswith(".scale"):
+                weight = name.removesuffix(".scale") + ".weight"
+                if weight not in self.records:
+                    raise CheckpointError(f"scale {name!r} in {record.file} has no weight {weight!r}")
+                continue
+            scale = self.records.get(scale_name(name)) if name.endswith(".weight") else None
+            tensors[name] = StoredTensor(name, record, scale, self._format(record, scale))
+        return tensors
+
+    def _format(self, record: TensorRecord, scale: TensorRecord | None) -> str:
+        name, where = record.name, record.file
+        if scale is None:
+            if record.dtype in QUANTIZED_DTYPES:
+                raise CheckpointError(f"tensor {name!r} in {where} is {record.dtype} but its scale "
+                                      f"{scale_name(name)!r} is missing")
+            return "plain"
+        if scale.dtype not in SCALE_DTYPES:
+            raise CheckpointError(f"scale {scale.name!r} in {scale.file} has dtype {scale.dtype}; expected "
+                                  "F8_E8M0 (UE8M0) or F32")
+        if len(record.shape) != 2:
+            raise CheckpointError(f"quantized tensor {name!r} in {where} must be 2-D, got {list(record.shape)}")
+        rows, cols = record.shape
+        if record.dtype in ("I8", "U8"):
+            fmt, expected = "fp4", (rows, _ceil_div(2 * cols, self.group))
+        elif record.dtype == "F8_E4M3" and _ENGRAM_TABLE.match(name):
+            fmt, expected = "fp8_rows", (rows, _ceil_div(cols, self.group))
+        elif record.dtype == "F8_E4M3":
+            fmt, expected = "fp8_block", (_ceil_div(rows, self.block[0]), _ceil_div(cols, self.block[1]))
+        else:
+            raise CheckpointError(f"tensor {name!r} in {where} has a scale but dtype {record.dtype}; quantized "
+                                  "weights are F8_E4M3 (FP8) or I8 (packed FP4)")
+        if scale.shape != expected:
+            raise CheckpointError(f"scale {scale.name!r} in {scale.file} has shape {list(scale.shape)} but "
+                                  f"{name!r} {record.dtype}{list(record.shape)} needs {list(expected)} ({fmt})")
+        return fmt
+
+    def _check_config_against_weights(self) -> None:
+        if self.config is None:
+            return
+        config_path = self.path / CONFIG_FILE
+        quantized = [t for t in self.tensors.values() if t.fmt != "plain"]
+        if self.quantization_config is None and quantized:
+            t = quantized[0]
+            raise CheckpointError(f"{config_path} has no quantization_config but tensor {t.name!r} in {t.where} "
+                                  f"is quantized ({t.record.dtype} with a scale): config and weights disagree")
+        if self.quantization_config is not None and not quantized:
+            raise CheckpointError(f"{config_path} declares a quantization_config but no tensor in {self.path} "
+                                  "is quantized: config and weights disagree")
+        text = self.config.get("text_config", self.config)
+        vision = self.config.get("vision_config") or {}
+        limits = [
+            (re.compile(r"^layers\.(\d+)\."), "text_config.num_hidden_layers", text.get("num_hidden_layers")),
+            (re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\."), "text_config.n_routed_experts",
+             text.get("n_routed_experts")),
+            (re.compile(r"^vision\.blocks\.(\d+)\."), "vision_config.num_hidden_layers",
+             vision.get("num_hidden_layers")),
+        ]
+        for pattern, key, limit in limits:
+            if limit is None:
+                continue
+            for t in self.tensors.values():
+                match = pattern.match(t.name)
+                if match and int(match[1]) >= limit:
+                    raise CheckpointError(f"tensor {t.name!r} in {t.where} has index {match[1]} but {config_path} "
+                                          f"says {key} = {limit}: config and weights disagree")
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def read_raw(self, record: TensorRecord, rows: slice | None = None) -> torch.Tensor:
+        """Stored values of rows [start, stop) (all by default), reading only those bytes."""
+        dtype = SAFETENSORS_DTYPES[record.dtype]
+        if rows is None or not record.shape:
+            return _read_bytes(record, 0, record.nbytes).view(dtype).reshape(record.shape)
+        start, stop, _ = rows.indices(record.shape[0])
+        stop = max(start, stop)
+        data = _read_bytes(record, start * record.row_bytes, (stop - start) * record.row_bytes)
+        return data.view(dtype).reshape((stop - start, *record.shape[1:]))
+
+    def decode(
+        self,
+        name: str,
+        rows: slice | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """Floating-point value of tensor `name` (rows [start, stop) only, if given) in `dtype`.
+
+        Quantized formats decode exactly (to fp32 by default; bf16 holds every value too); plain tensors
+        keep their stored dtype unless `dtype` says otherwise.
+        """
+        t = self.tensors[name]
+        dtype = dtype or t.dtype
+        device = torch.device(device)
+        if t.fmt == "plain":
+            return self.read_raw(t.record, rows).to(device=device, dtype=dtype)
+        start, stop, _ = (rows or slice(None)).indices(t.shape[0])
+        stop = max(start, stop)
+        q = self.read_raw(t.record, slice(start, stop)).to(device)
+        try:
+            if t.fmt == "fp4":
+                scale = self.read_raw(t.scale, slice(start, stop)).to(device)
+                return decode_fp4_packed(q, scale, self.group, dtype=dtype)
+            if t.fmt == "fp8_rows":
+                scale = self.read_raw(t.scale, slice(start, stop)).to(device)
+                return decode_fp8_rows(q, scale, self.group, dtype=dtype)
+            # fp8_block: the scale rows covering [start, stop), one per row of q
+            block_rows = slice(start // self.block[0], _ceil_div(stop, self.block[0]))
+            scale = self.read_raw(t.scale, block_rows).to(device)
+            row_block = torch.arange(start, stop, device=device) // self.block[0] - block_rows.start
+            return _decode_fp8_row_scaled(q, _take_rows(scale, row_block), self.block[1], dtype)
+        except ValueError as exc:
+            raise CheckpointError(f"cannot decode tensor {name!r} from {t.where}: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading into a model
+# ----------------------------------------------------------------------------------------------------
+
+
+def local_row_range(target: torch.Tensor) -> range:
+    """Rows of the full tensor this process stores (hook for sharded targets; a plain tensor holds all)."""
+    if _is_dtensor(target):
+        raise NotImplementedError("loading into DTensor (sharded) parameters is not implemented yet: extend "
+                                  "local_row_range/copy_rows_into for the target's placements")
+    return range(target.shape[0] if target.dim() else 1)
+
+
+def copy_rows_into(target: torch.Tensor, start: int, decoded: torch.Tensor) -> None:
+    """Copy rows [start, start + len(decoded)) of the full decoded tensor into the part `target` stores.
+
+    For a plain tensor that is `target[start:stop]`; a sharded target copies only its local slice.
+    """
+    if _is_dtensor(target):
+        raise NotImplementedError("loading into DTensor (sharded) parameters is not implemented yet")
+    if target.dim() == 0:
+        target.copy_(decoded.reshape(()))
+    else:
+        target[start:start + decoded.shape[0]].copy_(decoded)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+@dataclass
+class LoadReport:
+    """What `load_checkpoint_into_model` did, by released tensor name."""
+
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # released, deliberately unused (mtp.*)
+    missing: list[str] = field(default_factory=list)  # expected by the model, absent (strict=False only)
+    unexpected: list[str] = field(default_factory=list)  # present, unknown to the model (strict=False only)
+
+
+# Config fields that decide tensor shapes; the model's config must agree with the checkpoint's.
+_STRUCTURE_KEYS = {
+    "text_config": (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
+        "o_lora_rank", "o_groups", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+        "compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "index_n_heads", "index_head_dim",
+        "hc_mult", "engram_layer_ids", "engram_num_embeddings", "engram_n_heads", "engram_head_dim",
+        "engram_max_ngram_size",
+    ),
+    "vision_config": ("num_hidden_layers", "hidden_size", "intermediate_size", "patch_size"),
+}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def check_model_config(model: torch.nn.Module, checkpoint: ReleasedCheckpoint) -> None:
+    """Raise if the model was built from a config whose shape fields differ from the checkpoint's config.json."""
+    model_config = getattr(model, "config", None)
+    if model_config is None or checkpoint.config is None:
+        return
+    for section, keys in _STRUCTURE_KEYS.items():
+        released = checkpoint.config.get(section) or {}
+        built = getattr(model_config, section, None)
+        for key in keys:
+            if key in released and built is not None and hasattr(built, key):
+                if _plain(getattr(built, key)) != _plain(released[key]):
+                    raise CheckpointError(
+                        f"{checkpoint.path / CONFIG_FILE} has {section}.{key} = {released[key]!r} but the model "
+                        f"was built with {getattr(built, key)!r}: build the model from this checkpoint's config")
+
+
+@dataclass(frozen=True)
+class _Assignment:
+    released: str
+    target_name: str
+    expert: int | None
+
+
+def _plan(model: torch.nn.Module, checkpoint: ReleasedCheckpoint, strict: bool, report: LoadReport):
+    targets = model.state_dict(keep_vars=True)  # parameters + persistent buffers, by model name
+    expected = {}
+    for target_name, target in targets.items():
+        if _MODEL_EXPERT.match(target_name):
+            for expert in range(target.shape[0]):
+                expected[model_to_released_name(target_name, expert)] = (target_name, expert)
+        else:
+            expected[target_name] = (target_name, None)
+    index_file = checkpoint.path / (INDEX_FILE if (checkpoint.path / INDEX_FILE).exists() else SINGLE_FILE)
+    missing = sorted(set(expected) - set(checkpoint.tensors))
+    if missing:
+        if strict:
+            raise CheckpointError(f"tensor {missing[0]!r} expected by the model is missing from {index_file}"
+                                  f"{f' ({len(missing) - 1} more missing)' if len(missing) > 1 else ''}")
+        logger.warning("%d tensors missing from %s (left as initialised): %s", len(missing), index_file, missing)
+        report.missing.extend(missing)
+    plan = []
+    for name, stored in checkpoint.tensors.items():
+        if name not in expected:
+            if name.startswith(SKIPPED_PREFIXES):
+                report.skipped.append(name)
+                continue
+            if strict:
+                raise CheckpointError(f"unexpected tensor {name!r} in {stored.where}: the model has no parameter "
+                                      "for it (wrong model class or config?)")
+            report.unexpected.append(name)
+            continue
+        target_name, expert = expected[name]
+        target = targets[target_name]
+        shape = tuple(target.shape[1:] if expert is not None else target.shape)
+        if stored.shape != shape:
+            raise CheckpointError(f"tensor {name!r} in {stored.where} has shape {list(stored.shape)} but model "
+                                  f"parameter {target_name!r}{f'[{expert}]' if expert is not None else ''} "
+                                  f"needs {list(shape)}")
+        if stored.dtype.is_floating_point != target.dtype.is_floating_point:
+            raise CheckpointError(f"tensor {name!r} in {stored.where} has dtype {stored.record.dtype} but model "
+                                  f"parameter {target_name!r} is {target.dtype}: wrong dtype")
+        if target.is_meta:
+            raise CheckpointError(f"model parameter {target_name!r} is on the meta device: call "
+                                  "model.to_empty(device=...) before loading the checkpoint")
+        plan.append(_Assignment(name, target_name, expert))
+    if report.skipped:
+        logger.info("skipped %d released tensors the model does not implement (%s)", len(report.skipped),
+                    ", ".join(sorted({n.split(".")[0] + "." + n.split(".")[1] for n in report.skipped})))
+    return targets, plan
+
+
+@torch.no_grad()
+def load_checkpoint_into_model(
+    model: torch.nn.Module,
+    path: str | os.PathLike,
+    *,
+    strict: bool = True,
+    dequantize_base_checkpoint: bool = True,
+) -> LoadReport:
+    """Stream a released or floating-point checkpoint into `model`'s parameters in place.
+
+    Every name, shape and dtype is checked against the model before any data is read. Tensors are then
+    decoded shard by shard, in row blocks, straight into the target's dtype and device, so memory beyond
+    the model stays at a few row blocks. The model may be built on the meta device and `to_empty`'d first.
+    """
+    checkpoint = ReleasedCheckpoint(path)
+    if checkpoint.is_quantized and not dequantize_base_checkpoint:
+        raise NotImplementedError("training on the quantized FP8/FP4 weights is not supported: load with "
+                                  "dequantize_base_checkpoint=True (weights are decoded exactly to floating point)")
+    check_model_config(model, checkpoint)
+    report = LoadReport()
+    targets, plan = _plan(model, checkpoint, strict, report)
+    by_file = defaultdict(list)
+    for assignment in plan:
+        by_file[checkpoint.tensors[assignment.released].record.file].append(assignment)
+    for file in sorted(by_file):
+        for assignment in by_file[file]:
+            target = targets[assignment.target_name]
+            view = target[assignment.expert] if assignment.expert is not None else target
+            _load_one(checkpoint, assignment.released, view)
+            report.loaded.append(assignment.released)
+    return report
+
+
+def _load_one(checkpoint: ReleasedCheckpoint, name: str, target: torch.Tensor) -> None:
+    stored = checkpoint.tensors[name]
+    if target.dim() == 0:
+        copy_rows_into(target, 0, checkpoint.decode(name, dtype=target.dtype, device=target.device))
+        return
+    rows = local_row_range(target)
+    row_out_bytes = max(1, math.prod(stored.shape[1:]) * target.element_size())
+    step = max(1, LOAD_BLOCK_BYTES // row_out_bytes)
+    if stored.fmt == "fp8_block":  # whole scale blocks per step: no scale row is read twice
+        step = max(checkpoint.block[0], step // checkpoint.block[0] * checkpoint.block[0])
+    for start in range(rows.start, rows.stop, step):
+        stop = min(start + step, rows.stop)
+        decoded = checkpoint.decode(name, slice(start, stop), dtype=target.dtype, device=target.device)
+        copy_rows_into(target, start, decoded)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Floating-point export
+# ----------------------------------------------------------------------------------------------------
+
+
+def _shard_name(index: int, total: int) -> str:
+    return f"model-{index:05d}-of-{total:05d}.safetensors"
+
+
+def save_floating_point_checkpoint(
+    state_items: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | os.PathLike,
+    config_dict: dict,
+    remote_code_files: Iterable[str | os.PathLike] = (),
+    max_shard_bytes: int = 5 << 30,
+) -> dict[str, str]:
+    """Write a floating-point checkpoint with released names; returns its weight map.
+
+    `state_items` yields (model or released name, full tensor), e.g. `model.state_dict().items()`; stacked
+    experts are written per expert (`...experts.{e}.w1.weight`). Dtypes are kept (fp32 stays fp32).
+    `config.json` is written without `quantization_config`; `remote_code_files` (the modeling `.py` files,
+    tokenizer files) are copied as they are. Everything goes to a temporary sibling directory that replaces
+    `out_dir` only once complete: on any failure `out_dir` is untouched and nothing is left behind.
+    """
+    out_dir = Path(out_dir)
+    files = [Path(f) for f in remote_code_files]
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"file to copy into the export does not exist: {f}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        weight_map, total_size = _write_shards(state_items, staging, max_shard_bytes)
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        config = copy.deepcopy(config_dict)
+        if config.pop("quantization_config", None) is not None:
+            logger.info("dropping quantization_config: the export holds floating-point weights")
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        for f in files:
+            shutil.copy2(f, staging / f.name)
+        _replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return weight_map
+
+
+def _write_shards(items, staging: Path, max_shard_bytes: int) -> tuple[dict[str, str], int]:
+    written: list[tuple[Path, list[str]]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total_size = 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if pending:
+            path = staging / f"shard-{len(written):05d}.partial"
+            save_file(pending, path, metadata={"format": "pt"})
+            written.append((path, list(pending)))
+            pending, pending_bytes = {}, 0
+
+    seen = set()
+    for model_name, tensor in items:
+        for name, value in released_items(model_name, tensor):
+            if value.dtype in _QUANTIZED_TORCH_DTYPES:
+                raise NotImplementedError(f"tensor {name!r} is {value.dtype}: re-exporting quantized weights is "
+                                          "not supported; export floating-point parameters")
+            if name in seen:
+                raise ValueError(f"tensor {name!r} is given twice")
+            seen.add(name)
+            value = value.detach().to("cpu").contiguous()
+            nbytes = value.numel() * value.element_size()
+            if pending and pending_bytes + nbytes > max_shard_bytes:
+                flush()
+            pending[name] = value
+            pending_bytes += nbytes
+            total_size += nbytes
+    flush()
+    weight_map = {}
+    for index, (path, names) in enumerate(written, start=1):
+        final = _shard_name(index, len(written))
+        path.rename(staging / final)
+        weight_map.update(dict.fromkeys(names, final))
+    return weight_map, total_size
+
+
+def _replace_dir(staging: Path, out_dir: Path) -> None:
+    # Two renames: the previous export moves aside only once the new one is complete.
+    if out_dir.exists():
+        retired = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+        out_dir.rename(retired)
+        staging.rename(out_dir)
+        shutil.rmtree(retired)
+    else:
+        staging.rename(out_dir)

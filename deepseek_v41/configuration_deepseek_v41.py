@@ -1,0 +1,285 @@
+"""Configurations of DeepSeek-V4.1-Flash: the outer multimodal config and its text and vision parts.
+
+Field names and defaults are the released ``config.json``'s: the default config IS DeepSeek-V4.1-Flash.
+Text architecture lives only in ``config.text_config``, vision only in ``config.vision_config``; the
+released ``quantization_config`` is kept untouched on the outer config; ``config.backend`` holds the
+kernel-backend strings (see ``backends.py``).
+"""
+
+from transformers import PretrainedConfig
+
+from .backends import resolve_backend
+
+class DeepseekV41TextConfig(PretrainedConfig):
+    model_type = "deepseek_v41_text"
+    base_config_key = "text_config"
+
+    def __init__(
+        self,
+        vocab_size=129280,
+        hidden_size=5120,
+        num_hidden_layers=40,
+        num_attention_heads=64,
+        num_key_value_heads=1,
+        head_dim=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=1280,
+        o_lora_rank=1024,
+        o_groups=8,
+        rms_norm_eps=1e-20,
+        hidden_act="silu",
+        swiglu_limit=10.0,
+        initializer_range=0.02,
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_cache=True,
+        max_position_embeddings=1048576,
+        rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        rope_scaling=None,
+        n_routed_experts=384,
+        n_shared_experts=1,
+        num_experts_per_tok=6,
+        moe_intermediate_size=2304,
+        scoring_func="sqrtsoftplus",
+        topk_method="noaux_tc",
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        gate_temp=1.0,
+        gate_bias_update_factor=0.0,
+        sliding_window=128,
+        compress_ratios=None,
+        kv_source_layer_ids=None,
+        index_source_layer_ids=None,
+        candidate_source_layer_id=20,
+        candidate_topk_blocks=2048,
+        candidate_block_size=8,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=512,
+        q_head_rescale=False,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        hc_eps=1e-6,
+        engram_layer_ids=None,
+        engram_num_embeddings=None,
+        engram_max_ngram_size=4,
+        engram_vocab_size=16000000,
+        engram_n_heads=8,
+        engram_head_dim=256,
+        engram_pad_token_id=2,
+        engram_compressed_vocab_size=99092,
+        num_nextn_predict_layers=3,
+        dspark_block_size=5,
+        dspark_noise_token_id=128799,
+        dspark_target_layer_ids=None,
+        dspark_markov_rank=256,
+        dspark_n_routed_experts=128,
+        dspark_num_experts_per_tok=3,
+        tie_word_embeddings=False,
+        **kwargs,
+    ):
+        if "engram_pad_id" in kwargs:  # the official ModelArgs / upstream transformers spelling
+            engram_pad_token_id = kwargs.pop("engram_pad_id")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.q_lora_rank = q_lora_rank
+        self.o_lora_rank = o_lora_rank
+        self.o_groups = o_groups
+        self.rms_norm_eps = rms_norm_eps
+        self.hidden_act = hidden_act
+        self.swiglu_limit = swiglu_limit
+        self.initializer_range = initializer_range
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.use_cache = use_cache
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.compress_rope_theta = compress_rope_theta
+        self.rope_scaling = rope_scaling if rope_scaling is not None else {
+            "rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+            "original_max_position_embeddings": 65536,
+        }
+        self.n_routed_experts = n_routed_experts
+        self.n_shared_experts = n_shared_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size
+        self.scoring_func = scoring_func
+        self.topk_method = topk_method
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.gate_temp = gate_temp
+        self.gate_bias_update_factor = gate_bias_update_factor
+        self.sliding_window = sliding_window
+        self.compress_ratios = list(compress_ratios) if compress_ratios is not None else (
+            [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0]
+        )
+        self.kv_source_layer_ids = list(kv_source_layer_ids) if kv_source_layer_ids is not None else [2, 8, 14, 20]
+        self.index_source_layer_ids = (
+            list(index_source_layer_ids) if index_source_layer_ids is not None
+            else [2, 8, 14, 20, 24, 28, 32, 36]
+        )
+        self.candidate_source_layer_id = -1 if candidate_source_layer_id is None else candidate_source_layer_id
+        self.candidate_topk_blocks = candidate_topk_blocks
+        self.candidate_block_size = candidate_block_size
+        self.index_n_heads = index_n_heads
+        self.index_head_dim = index_head_dim
+        self.index_topk = index_topk
+        self.q_head_rescale = q_head_rescale
+        self.hc_mult = hc_mult
+        self.hc_sinkhorn_iters = hc_sinkhorn_iters
+        self.hc_eps = hc_eps
+        self.engram_layer_ids = list(engram_layer_ids) if engram_layer_ids is not None else [1, 14]
+        self.engram_num_embeddings = (
+            list(engram_num_embeddings) if engram_num_embeddings is not None else [384006168, 384016682]
+        )
+        self.engram_max_ngram_size = engram_max_ngram_size
+        self.engram_vocab_size = engram_vocab_size
+        self.engram_n_heads = engram_n_heads
+        self.engram_head_dim = engram_head_dim
+        self.engram_pad_token_id = engram_pad_token_id
+        self.engram_compressed_vocab_size = engram_compressed_vocab_size
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        self.dspark_block_size = dspark_block_size
+        self.dspark_noise_token_id = dspark_noise_token_id
+        self.dspark_target_layer_ids = (
+            list(dspark_target_layer_ids) if dspark_target_layer_ids is not None else [37, 38, 39]
+        )
+        self.dspark_markov_rank = dspark_markov_rank
+        self.dspark_n_routed_experts = dspark_n_routed_experts
+        self.dspark_num_experts_per_tok = dspark_num_experts_per_tok
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.validate_layout()
+
+    def validate_layout(self):
+        """Check the layer plan once, so a bad config fails at construction with the field to fix."""
+        n = self.num_hidden_layers
+        if len(self.compress_ratios) < n:
+            raise ValueError(
+                f"compress_ratios has {len(self.compress_ratios)} entries but num_hidden_layers is {n}; "
+                "give one ratio (0, 1 or 2) per layer"
+            )
+        for i in range(n):
+            ratio = self.compress_ratios[i]
+            if ratio not in (0, 1, 2):
+                raise ValueError(f"compress_ratios[{i}] = {ratio}; V4.1 supports ratios 0, 1 and 2")
+            if ratio and self.kv_source_of(i) is None:
+                raise ValueError(
+                    f"layer {i} has compress ratio {ratio} but no kv source layer at or before it in "
+                    f"kv_source_layer_ids={self.kv_source_layer_ids}"
+                )
+        for i in self.kv_source_layer_ids + self.index_source_layer_ids:
+            if i < n and self.compress_ratios[i] == 0:
+                raise ValueError(f"layer {i} is a kv/index source but has compress ratio 0")
+        if self.num_attention_heads % self.o_groups:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must divide into o_groups={self.o_groups}")
+        for layer in self.engram_layer_ids:
+            if not 0 <= layer < n:
+                raise ValueError(f"engram_layer_ids contains {layer}, outside 0..{n - 1}")
+
+    # ---- the CSA2 layer plan (architecture.md §3) ----
+    def kv_source_of(self, layer: int):
+        """The Full layer whose compressed KV (and index keys) ``layer`` reads, or None for ratio 0."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        sources = [i for i in self.kv_source_layer_ids if i <= layer]
+        return max(sources) if sources else None
+
+    def index_source_of(self, layer: int):
+        """The Full or Reindex layer whose top-k ``layer`` uses, or None for ratio 0."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        sources = [i for i in self.index_source_layer_ids if i <= layer]
+        return max(sources) if sources else None
+
+    def attention_mode(self, layer: int) -> str:
+        """'window', 'full', 'reindex' or 'reuse'."""
+        if self.compress_ratios[layer] == 0:
+            return "window"
+        if layer in self.kv_source_layer_ids:
+            return "full"
+        if layer in self.index_source_layer_ids:
+            return "reindex"
+        return "reuse"
+
+
+class DeepseekV41VisionConfig(PretrainedConfig):
+    model_type = "deepseek_v41_vision"
+    base_config_key = "vision_config"
+
+    def __init__(
+        self,
+        num_hidden_layers=32,
+        hidden_size=1024,
+        num_attention_heads=16,
+        intermediate_size=2816,
+        patch_size=14,
+        rope_theta=10000.0,
+        downsample_ratio=3,
+        max_image_tokens=1024,
+        min_pixels=295936,
+        max_wh_ratio=None,
+        rms_norm_eps=1e-6,
+        **kwargs,
+    ):
+        self.num_hidden_layers = num_hidden_layers
+        self.hidden_size = hidden_size
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.patch_size = patch_size
+        self.rope_theta = rope_theta
+        self.downsample_ratio = downsample_ratio
+        self.max_image_tokens = max_image_tokens
+        self.min_pixels = min_pixels
+        self.max_wh_ratio = max_wh_ratio
+        self.rms_norm_eps = rms_norm_eps
+        super().__init__(**kwargs)
+
+
+class DeepseekV41Config(PretrainedConfig):
+    model_type = "deepseek_v41"
+    sub_configs = {"text_config": DeepseekV41TextConfig, "vision_config": DeepseekV41VisionConfig}
+
+    def __init__(
+        self,
+        text_config=None,
+        vision_config=None,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        image_token_id=129264,
+        backend=None,
+        dequantize_base_checkpoint=True,
+        tie_word_embeddings=False,
+        **kwargs,
+    ):
+        if isinstance(text_config, dict):
+            text_config = DeepseekV41TextConfig(**text_config)
+        elif text_config is None:
+            text_config = DeepseekV41TextConfig()
+        if isinstance(vision_config, dict):
+            vision_config = DeepseekV41VisionConfig(**vision_config)
+        elif vision_config is None:
+            vision_config = DeepseekV41VisionConfig()
+        self.text_config = text_config
+        self.vision_config = vision_config
+        self.image_token_id = image_token_id
+        self.backend = resolve_backend(backend)
+        self.dequantize_base_checkpoint = dequantize_base_checkpoint
+        kwargs.setdefault("architectures", ["DeepseekV41ForCausalLM"])
+        kwargs.setdefault("dtype", "bfloat16")
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+    def get_text_config(self, *args, **kwargs):
+        return self.text_config

@@ -1,0 +1,129 @@
+"""Engram conditional memory (architecture.md §9.3): hashed n-gram table rows gated into every mHC stream.
+
+Runs on the stream state before its block.  Hash ids come from ``engram_hashing`` (precomputed by the data
+loader, or computed here from ``input_ids``); their constants (tokenizer compression map, multipliers,
+primes, offsets) are non-persistent buffers derived from the tokenizer and the config, restored exactly
+after meta-device materialization (``restore_derived_buffers``).
+"""
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .engram_hashing import (
+    build_compression_map, engram_hash, engram_multipliers, engram_offsets, engram_primes,
+)
+from .layers import make_linear
+
+
+class Engram(nn.Module):
+    def __init__(self, config, layer: int, rows: int, constants: dict, backend: dict):
+        super().__init__()
+        self.layer = layer
+        self.hc, self.dim = config.hc_mult, config.hidden_size
+        self.max_ngram = config.engram_max_ngram_size
+        self.pad_id = config.engram_pad_token_id
+        self.eps = config.rms_norm_eps
+        cols = (self.max_ngram - 1) * config.engram_n_heads
+        self.embed = nn.Embedding(rows, config.engram_head_dim)
+        self.wkv = make_linear(cols * config.engram_head_dim, (self.hc + 1) * self.dim, backend)
+        # Only the product q_weight * k_weight is used; both are kept to match the released tensors.
+        self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim))
+        self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim))
+        # Row-owner training replaces the local F.embedding lookup: hash ids [b, s, cols] -> rows [b, s, cols, d].
+        self.table_lookup = None
+        self._derived = {name: value.cpu() for name, value in constants.items()}
+        for name, value in self._derived.items():
+            self.register_buffer(name, value.clone(), persistent=False)
+
+    def restore_derived_buffers(self) -> None:
+        """Re-fill the hash constants (garbage after ``to_empty``) from their host copies."""
+        for name, value in self._derived.items():
+            getattr(self, name).copy_(value)
+
+    def hash(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        # input_ids [b, s] -> table rows [b, s, (max_ngram - 1) * n_heads]
+        return engram_hash(
+            input_ids, self.cmap, self.multipliers, self.primes, self.offsets,
+            max_ngram_size=self.max_ngram, pad_id=self.pad_id, image_mask=image_mask,
+        )
+
+    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        # x [b, s, hc, dim] streams, hash_ids [b, s, cols] -> [b, s, hc, dim]
+        rows = self.embed(hash_ids) if self.table_lookup is None else self.table_lookup(hash_ids)
+        kv = self.wkv(rows.flatten(2).to(self.wkv.weight.dtype))  # [b, s, (hc + 1) * dim]
+        key = kv[..., : self.hc * self.dim].unflatten(-1, (self.hc, self.dim)).float()
+        value = kv[..., self.hc * self.dim :].float()
+        h = x.float()
+        w = self.q_weight.float() * self.k_weight.float()  # [hc, dim]
+        dot = (h * w * key).sum(-1)
+        dot = dot * torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = dot * self.dim**-0.5  # [b, s, hc]
+        gate = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())
+        if image_mask is not None:
+            gate = gate.masked_fill(image_mask.unsqueeze(-1), 0.0)
+        return (h + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)
+
+
+def resolve_engram_tokenizer(config, tokenizer=None):
+    """The fast tokenizer Engram's compression map is built from: the one given, else the checkpoint's
+    (``config._name_or_path`` at its resolved revision ``config._commit_hash``)."""
+    if tokenizer is not None:
+        return tokenizer
+    source = getattr(config, "_name_or_path", "") or ""
+    layers = config.text_config.engram_layer_ids
+    how = (
+        "pass tokenizer=... (a fast tokenizer or tokenizers.Tokenizer) to from_pretrained / the model "
+        "constructor, point config.name_or_path at a folder holding tokenizer.json, or disable Engram with "
+        "text_config.engram_layer_ids=[]"
+    )
+    if not source:
+        raise ValueError(f"Engram layers {layers} need the checkpoint's fast tokenizer to build the hash map; {how}")
+    local = Path(source) / "tokenizer.json"
+    if local.is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(local))
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source, revision=getattr(config, "_commit_hash", None))
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"Engram layers {layers} need the checkpoint's fast tokenizer, and none could be loaded from "
+            f"{source!r} ({error}); {how}"
+        ) from error
+
+
+def engram_constants(text_config, tokenizer) -> dict:
+    """{layer: {cmap, multipliers, primes, offsets}} from the tokenizer and the config, checked against it."""
+    cmap = build_compression_map(tokenizer)
+    size = int(cmap.max()) + 1
+    if size != text_config.engram_compressed_vocab_size:
+        raise ValueError(
+            f"the tokenizer's Engram compression map has {size} entries but the config says "
+            f"engram_compressed_vocab_size={text_config.engram_compressed_vocab_size}: wrong tokenizer for this checkpoint"
+        )
+    primes = engram_primes(
+        text_config.engram_layer_ids, text_config.engram_max_ngram_size, text_config.engram_n_heads,
+        text_config.engram_vocab_size,
+    )
+    constants = {}
+    for k, layer in enumerate(text_config.engram_layer_ids):
+        rows = int(primes[layer].sum())
+        if rows != text_config.engram_num_embeddings[k]:
+            raise ValueError(
+                f"Engram layer {layer}: the hash primes address {rows} rows but engram_num_embeddings[{k}] = "
+                f"{text_config.engram_num_embeddings[k]}; engram_layer_ids, engram_n_heads, engram_vocab_size and "
+                "engram_num_embeddings must describe the same tables"
+            )
+        constants[layer] = {
+            "cmap": cmap,
+            "multipliers": engram_multipliers(
+                layer, text_config.engram_max_ngram_size, text_config.engram_compressed_vocab_size
+            ),
+            "primes": primes[layer],
+            "offsets": engram_offsets(primes[layer]),
+        }
+    return constants

@@ -1,0 +1,168 @@
+"""Image processor of DeepSeek-V4.1: the official resize plan, gray padding, and 14x14 patches (PIL backend).
+
+Per image (architecture.md §10 "Preprocessing"; reproduces the official ``inference/image_processor.py``
+bit for bit on the golden fixture):
+
+1. ``convert("RGB")`` (PIL semantics: an alpha channel is dropped, not composited).
+2. Plan a box ``(box_h, box_w)``, multiples of ``patch_size`` (``plan_image_box``): upscale tiny images to
+   ``min_pixels``, round each side up to whole patches, and if the image would cost more than
+   ``max_image_tokens`` LLM positions shrink it with the closed form.
+3. Aspect-preserving resize into the box with centered gray ``(127, 127, 127)`` padding
+   (``PIL.ImageOps.pad``); if ``max_wh_ratio`` is set and the image is at least that wide, stretch instead.
+4. ``x / 255``, ``(x - 0.5) / 0.5`` in fp32, then BF16; cut into row-major ``[3, p, p]`` patches.
+
+Outputs ``pixel_values`` [all patches, 3, p, p] (BF16) and ``image_grid_hws`` [n_images, 2] (ViT grid h, w).
+"""
+
+import math
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from transformers.image_processing_backends import PilBackend
+from transformers.image_processing_utils import BatchFeature
+from transformers.image_utils import PILImageResampling
+from transformers.processing_utils import ImagesKwargs, Unpack
+
+from .vision import image_span_length, llm_grid
+
+PAD_COLOR = (127, 127, 127)
+# The vision_config fields that decide the resize plan (also image-processor attributes and call kwargs).
+PLAN_FIELDS = ("patch_size", "downsample_ratio", "max_image_tokens", "min_pixels", "max_wh_ratio")
+
+
+class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
+    """The ``PLAN_FIELDS`` of ``vision_config``."""
+
+    patch_size: int
+    downsample_ratio: int
+    max_image_tokens: int
+    min_pixels: int
+    max_wh_ratio: float | None
+
+
+def _shrink_box(height, width, patch_size, downsample_ratio, max_image_tokens):
+    """Largest box of the image's aspect whose LLM grid fits ``max_image_tokens`` (official closed form).
+
+    With n_w LLM columns and n_h = n_w * h/w rows the span costs n_h*(n_w+1)+2 positions; solving for
+    n_w gives ``max_w``. Images too tall (too wide) for one column (row) collapse to a single one."""
+    cell = patch_size * downsample_ratio
+    aspect = height / width
+    max_w = math.sqrt((max_image_tokens - 2) / aspect + 0.25) - 0.5
+    max_h = max_w * aspect
+    if max_w < 1.0:  # single column: n_h*2 + 2 <= max
+        return (max_image_tokens - 2) // 2 * cell, cell
+    if max_h < 1.0:  # single row: n_w + 3 <= max
+        return cell, (max_image_tokens - 3) * cell
+    beta = min(math.floor(max_w) * cell / width, math.floor(max_h) * cell / height)
+    return math.floor(height * beta / patch_size) * patch_size, math.floor(width * beta / patch_size) * patch_size
+
+
+def plan_image_box(width, height, patch_size, downsample_ratio, max_image_tokens, min_pixels, max_wh_ratio=None):
+    """Pixel box ``(box_h, box_w)`` an image of ``width x height`` is fitted into; both multiples of patch_size."""
+    if max_wh_ratio is not None and width > height * max_wh_ratio:
+        width = height * max_wh_ratio
+    if 0 < width * height < min_pixels:
+        scale = (min_pixels / (width * height)) ** 0.5
+        width, height = int(width * scale), int(height * scale)
+    box_h, box_w = math.ceil(height / patch_size) * patch_size, math.ceil(width / patch_size) * patch_size
+    if image_span_length(*llm_grid(box_h // patch_size, box_w // patch_size, downsample_ratio)) > max_image_tokens:
+        box_h, box_w = _shrink_box(height, width, patch_size, downsample_ratio, max_image_tokens)
+    if box_h < patch_size or box_w < patch_size:
+        raise ValueError(f"a {width}x{height} image plans to an empty {box_w}x{box_h} box; check the vision config")
+    return box_h, box_w
+
+
+class DeepseekV41ImageProcessor(PilBackend):
+    """PIL-backend image processor; the defaults are the released ``vision_config`` (build one for another
+    config with ``from_vision_config``). Accepts PIL images of any mode and uint8 arrays."""
+
+    resample = PILImageResampling.BICUBIC  # ImageOps.pad's default filter, as in the official code
+    do_convert_rgb = True
+    do_rescale = True
+    rescale_factor = 1 / 255
+    do_normalize = True
+    image_mean = [0.5, 0.5, 0.5]
+    image_std = [0.5, 0.5, 0.5]
+    patch_size = 14
+    downsample_ratio = 3
+    max_image_tokens = 1024
+    min_pixels = 295936
+    max_wh_ratio = None
+    valid_kwargs = DeepseekV41ImageProcessorKwargs
+    model_input_names = ["pixel_values", "image_grid_hws"]
+
+    def __init__(self, **kwargs: Unpack[DeepseekV41ImageProcessorKwargs]):
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_vision_config(cls, vision_config, **kwargs):
+        """Image processor matching a ``DeepseekV41VisionConfig``."""
+        return cls(**{name: getattr(vision_config, name) for name in PLAN_FIELDS}, **kwargs)
+
+    def convert_to_rgb(self, image, input_data_format=None):
+        # PIL's own conversion, as the official loader: RGBA drops alpha, L/P expand to RGB. Arrays: base class.
+        if isinstance(image, Image.Image):
+            return np.array(image.convert("RGB"))
+        return super().convert_to_rgb(image, input_data_format=input_data_format)
+
+    def vit_grid(self, height, width, **overrides):
+        """ViT patch grid ``(n_vit_h, n_vit_w)`` of an image of this size (``overrides``: config fields)."""
+        cfg = {name: overrides.get(name, getattr(self, name)) for name in PLAN_FIELDS}
+        box_h, box_w = plan_image_box(width, height, **cfg)
+        return box_h // cfg["patch_size"], box_w // cfg["patch_size"]
+
+    def _preprocess(
+        self,
+        images,
+        resample,
+        do_rescale,
+        rescale_factor,
+        do_normalize,
+        image_mean,
+        image_std,
+        patch_size,
+        downsample_ratio,
+        max_image_tokens,
+        min_pixels,
+        max_wh_ratio,
+        return_tensors=None,
+        **kwargs,
+    ):
+        # images: list of channels-first arrays [3, H, W] (uint8) from PilBackend.process_image
+        if return_tensors not in (None, "pt"):
+            raise ValueError(f"pixel_values are BF16 torch tensors; return_tensors={return_tensors!r} is not supported")
+        mean = torch.tensor(image_mean, dtype=torch.float32).view(-1, 1, 1)
+        std = torch.tensor(image_std, dtype=torch.float32).view(-1, 1, 1)
+        patches, grids = [], []
+        for array in images:
+            if array.dtype != np.uint8 or array.shape[0] != 3:
+                raise ValueError(
+                    f"expected an RGB uint8 image, got an array of dtype {array.dtype} and shape {array.shape}; "
+                    "pass PIL images or uint8 arrays"
+                )
+            image = Image.fromarray(np.ascontiguousarray(array.transpose(1, 2, 0)))
+            box_h, box_w = plan_image_box(
+                image.width, image.height, patch_size, downsample_ratio, max_image_tokens, min_pixels, max_wh_ratio
+            )
+            if max_wh_ratio is not None and image.width >= max_wh_ratio * image.height:
+                image = image.resize((box_w, box_h), resample=resample)
+            else:
+                image = ImageOps.pad(image, (box_w, box_h), method=resample, color=PAD_COLOR)
+            x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1)  # [3, H, W]
+            if do_rescale:
+                x = x / (1 / rescale_factor)  # divide, as the reference (x * (1/255) rounds differently)
+            if do_normalize:
+                x = (x - mean) / std
+            n_h, n_w = box_h // patch_size, box_w // patch_size
+            x = x.to(torch.bfloat16).reshape(3, n_h, patch_size, n_w, patch_size)
+            patches.append(x.permute(1, 3, 0, 2, 4).reshape(n_h * n_w, 3, patch_size, patch_size))
+            grids.append([n_h, n_w])
+        data = {
+            "pixel_values": torch.cat(patches) if patches else torch.empty(0, 3, patch_size, patch_size).bfloat16(),
+            "image_grid_hws": torch.tensor(grids, dtype=torch.long).reshape(-1, 2),
+        }
+        return BatchFeature(data=data)
+
+
+__all__ = ["DeepseekV41ImageProcessor", "plan_image_box"]

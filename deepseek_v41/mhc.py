@@ -1,0 +1,38 @@
+"""Manifold-constrained hyper-connections (mHC) with the V4.1 delayed pre-mix (architecture.md §7).
+
+The residual is ``hc`` streams X [b, s, hc, d].  Each sublayer owns fp32 ``fn [(2+hc)*hc, hc*d]``,
+``base [(2+hc)*hc]`` and ``scale [3]`` from which per-token coefficients are mixed:
+``pre [hc]`` (collapse weights), ``post [hc]`` (how much of the sublayer output each stream takes) and
+``comb [hc, hc]`` (a Sinkhorn-balanced stream-to-stream mix, indexed [source, destination]).
+All coefficients stay fp32 end to end.
+"""
+
+import torch
+
+
+def hc_mix(x, fn, base, scale, hc: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    # x [b, s, hc, d] -> pre [b, s, hc], post [b, s, hc], comb [b, s, hc(src), hc(dst)], all fp32
+    flat = x.flatten(-2).float()
+    inv_rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = torch.nn.functional.linear(flat, fn.float()) * inv_rms  # [b, s, (2+hc)*hc]
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
+    comb = torch.softmax(comb, dim=-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    # x [b, s, hc, d], pre [b, s, hc] -> [b, s, d]: weighted collapse in fp32, one rounding
+    return torch.einsum("bsh,bshd->bsd", pre.float(), x.float()).to(x.dtype)
+
+
+def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    # y [b, s, d], x [b, s, hc, d] -> [b, s, hc, d]: out_j = post_j * y + sum_i comb[i, j] * x_i
+    mixed = torch.einsum("bsij,bsid->bsjd", comb.float(), x.float())
+    return (post.float().unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(x.dtype)

@@ -1,0 +1,425 @@
+"""DeepSeek-V4.1-Flash: token embedding → 4 mHC streams → 40 CSA2 + MoE blocks (Engram before layers 1 and 14)
+→ collapse → final norm → fp32 head.
+
+Parameter names are the released checkpoint's (``embed.weight``, ``layers.{i}.attn.wq_a.weight``,
+``layers.{i}.hc_attn_fn``, ``head.weight``, …) except the routed experts, stacked per layer
+(``layers.{i}.ffn.experts.w1`` [E, inter, dim]); ``checkpoint.py`` maps them to and from
+``layers.{i}.ffn.experts.{e}.w1.weight``.
+"""
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
+
+from .attention import Attention, CSA2State
+from .backends import check_available, resolve_backend
+from .configuration_deepseek_v41 import DeepseekV41Config
+from .engram import Engram, engram_constants, resolve_engram_tokenizer
+from .layers import RMSNorm, make_rms_norm
+from .mhc import hc_mix, hc_post, hc_pre
+from .moe import MoE, RoutedExperts, Router
+
+
+class DeepseekV41Block(GradientCheckpointingLayer):
+    """One layer: [Engram] → attention sublayer → MoE sublayer, each wrapped by an mHC mix.
+
+    V4.1's delayed pre-mix: the attention input collapses the streams with the pre-mix handed in by the
+    previous block (``pre_in``), the FFN input with this block's attention-mix ``pre``, and the FFN-mix
+    ``pre`` is handed on to the next block.
+    """
+
+    def __init__(self, config, layer: int, backend: dict, has_image_bias: bool, engram: Engram | None):
+        super().__init__()
+        self.layer = layer
+        self.hc = config.hc_mult
+        self.sinkhorn_iters, self.hc_eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        n_mix, width = (2 + self.hc) * self.hc, self.hc * config.hidden_size
+        for sub in ("attn", "ffn"):  # fp32 islands: the mix coefficients never round to bf16
+            setattr(self, f"hc_{sub}_fn", nn.Parameter(torch.empty(n_mix, width, dtype=torch.float32)))
+            setattr(self, f"hc_{sub}_base", nn.Parameter(torch.empty(n_mix, dtype=torch.float32)))
+            setattr(self, f"hc_{sub}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
+        self.engram = engram
+        self.attn_norm = make_rms_norm(config.hidden_size, config.rms_norm_eps, backend)
+        self.attn = Attention(config, layer, backend)
+        self.ffn_norm = make_rms_norm(config.hidden_size, config.rms_norm_eps, backend)
+        self.ffn = MoE(config, backend, has_image_bias)
+
+    def mix(self, x, sub: str):
+        return hc_mix(
+            x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"),
+            self.hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
+        )
+
+    def forward(self, x, pre_in, state: CSA2State, input_ids=None, image_mask=None, engram_hash_ids=None):
+        # x [b, s, hc, dim] streams, pre_in fp32 [b, s, hc] -> (streams [b, s, hc, dim], pre-mix fp32 [b, s, hc])
+        if self.engram is not None:
+            hash_ids = engram_hash_ids if engram_hash_ids is not None else self.engram.hash(input_ids, image_mask)
+            x = self.engram(x, hash_ids, image_mask)
+        attn_pre, attn_post, attn_comb = self.mix(x, "attn")
+        y = self.attn(self.attn_norm(hc_pre(x, pre_in)), state)
+        x = hc_post(y, x, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = self.mix(x, "ffn")
+        y = self.ffn(self.ffn_norm(hc_pre(x, attn_pre)), image_mask)
+        x = hc_post(y, x, ffn_post, ffn_comb)
+        return x, ffn_pre
+
+
+class DeepseekV41PreTrainedModel(PreTrainedModel):
+    config_class = DeepseekV41Config
+    base_model_prefix = "model"
+    _no_split_modules = ["DeepseekV41Block"]
+    supports_gradient_checkpointing = True
+    input_modalities = ("image", "text")
+    _supports_sdpa = False
+    # fp32 islands (architecture.md §4, §7, §8): loaded, kept and trained in fp32 whatever the model dtype.
+    _keep_in_fp32_modules_strict = [
+        "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+        "attn_sink", "gate.bias", "gate.bias_vl", "head",
+    ]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.text_config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, Router):
+            init.normal_(module.weight, std=std)
+        elif isinstance(module, RoutedExperts):
+            for weight in (module.w1, module.w2, module.w3):
+                init.normal_(weight, std=std)
+        elif isinstance(module, DeepseekV41Block):
+            for sub in ("attn", "ffn"):
+                init.normal_(getattr(module, f"hc_{sub}_fn"), std=std)
+                init.zeros_(getattr(module, f"hc_{sub}_base"))
+                init.ones_(getattr(module, f"hc_{sub}_scale"))
+        elif isinstance(module, Attention):
+            init.zeros_(module.attn_sink)
+        elif isinstance(module, Engram):
+            init.ones_(module.q_weight)
+            init.ones_(module.k_weight)
+        elif hasattr(module, "image_newline"):
+            for name in ("image_start", "image_end", "image_newline"):
+                init.normal_(getattr(module, name), std=std)
+
+    def to_empty(self, *, device, recurse: bool = True):
+        # Non-persistent derived buffers (Engram hash constants) are garbage after to_empty: restore them.
+        super().to_empty(device=device, recurse=recurse)
+        for module in self.modules():
+            if isinstance(module, Engram):
+                module.restore_derived_buffers()
+        return self
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path, *model_args, config=None, dtype="auto", backend=None, tokenizer=None,
+        device="cpu", revision=None, dequantize_base_checkpoint=None, **kwargs,
+    ):
+        """Load a released-format (FP8/FP4, dequantized here) or floating-point checkpoint.
+
+        Builds the model on the meta device, materializes it on ``device`` and streams the shards straight
+        into the parameters.  ``backend={"rms_norm": "torch", ...}`` overrides kernel backends; ``tokenizer``
+        supplies Engram's tokenizer (default: the checkpoint folder's); ``dtype`` defaults to the config's.
+        """
+        from .checkpoint import load_checkpoint_into_model
+
+        for unsupported in ("tp_plan", "tp_size", "device_mesh", "pp_plan", "distributed_config", "quantization_config"):
+            if kwargs.get(unsupported) is not None:
+                raise NotImplementedError(
+                    f"{unsupported}= is not supported: deepseek_v41 trains with FSDP2 + expert parallelism "
+                    "(examples/finetune.py); tensor/pipeline/context parallelism are out of scope"
+                )
+        dtype = kwargs.pop("torch_dtype", dtype)
+        for ignored in ("trust_remote_code", "local_files_only", "cache_dir", "_from_auto", "_from_pipeline",
+                        "code_revision", "adapter_kwargs", "low_cpu_mem_usage", "use_safetensors"):
+            kwargs.pop(ignored, None)
+        path = resolve_checkpoint_dir(pretrained_model_name_or_path, revision)
+        if config is None:
+            config, kwargs = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+        if kwargs:
+            raise TypeError(f"from_pretrained got unexpected keyword arguments {sorted(kwargs)}")
+        config._name_or_path = str(path)
+        config._commit_hash = revision_of(path) or getattr(config, "_commit_hash", None)
+        if backend:
+            config.backend = resolve_backend({**config.backend, **backend})
+        if dequantize_base_checkpoint is not None:
+            config.dequantize_base_checkpoint = dequantize_base_checkpoint
+        dtype = resolve_dtype(dtype, config)
+        with torch.device("meta"), default_dtype(dtype):
+            model = cls(config, *model_args, tokenizer=tokenizer)
+        model.to_empty(device=device)
+        load_checkpoint_into_model(model, path, dequantize_base_checkpoint=config.dequantize_base_checkpoint)
+        model.eval()
+        return model
+
+    def save_pretrained(self, save_directory, max_shard_size="5GB", **kwargs):
+        """Export a floating-point checkpoint: released names, fp32 islands kept, no quantization metadata,
+        remote-code files and ``auto_map`` included; written to a temporary folder renamed into place."""
+        from .checkpoint import save_floating_point_checkpoint
+
+        config = self.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(self).__name__]
+        config["auto_map"] = {
+            "AutoConfig": "configuration_deepseek_v41.DeepseekV41Config",
+            "AutoModel": "modeling_deepseek_v41.DeepseekV41Model",
+            "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
+        }
+        config["dtype"] = str(self.embed.weight.dtype).removeprefix("torch.")
+        save_floating_point_checkpoint(
+            self.state_dict().items(), save_directory, config, remote_code_files(),
+            parse_size(max_shard_size), tokenizer=self.engram_tokenizer,
+        )
+
+
+class DeepseekV41Model(DeepseekV41PreTrainedModel):
+    """The backbone: returns the final normed hidden state (the head's input)."""
+
+    _with_head = False
+
+    def __init__(self, config: DeepseekV41Config, tokenizer=None):
+        super().__init__(config)
+        check_available(config.backend)
+        text, vision = config.text_config, config.vision_config
+        self.hc = text.hc_mult
+        self.max_positions = text.max_position_embeddings
+        self.training_max_positions = text.rope_scaling["original_max_position_embeddings"]
+        self.image_token_id = config.image_token_id
+        self.has_vision = vision.num_hidden_layers > 0
+        self.engram_tokenizer = None
+        constants = {}
+        if text.engram_layer_ids:
+            self.engram_tokenizer = resolve_engram_tokenizer(config, tokenizer)
+            with torch.device("cpu"):  # derived on the host even inside a meta-device context
+                constants = engram_constants(text, self.engram_tokenizer)
+        self.embed = nn.Embedding(text.vocab_size, text.hidden_size)
+        self.layers = nn.ModuleList()
+        for i in range(text.num_hidden_layers):
+            engram = None
+            if i in text.engram_layer_ids:
+                k = text.engram_layer_ids.index(i)
+                engram = Engram(text, i, text.engram_num_embeddings[k], constants[i], config.backend)
+            self.layers.append(DeepseekV41Block(text, i, config.backend, self.has_vision, engram))
+        self.norm = make_rms_norm(text.hidden_size, text.rms_norm_eps, config.backend)
+        if self.has_vision:
+            from .vision import DeepseekV41VisionAligner, DeepseekV41VisionTransformer
+
+            self.vision = DeepseekV41VisionTransformer(vision)
+            self.aligner = DeepseekV41VisionAligner(vision, text.hidden_size)
+            for name in ("image_start", "image_end", "image_newline"):
+                setattr(self, name, nn.Parameter(torch.empty(text.hidden_size)))
+        if self._with_head:  # the fp32 head (an fp32 island; held and computed in fp32)
+            self.head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
+        self.post_init()
+        for module in self.modules():  # hard top-k: the indexer gets no LM gradient, so it is frozen
+            if hasattr(module, "indexer"):
+                module.indexer.requires_grad_(False)
+
+    def forward(
+        self, input_ids=None, attention_mask=None, position_ids=None, pixel_values=None, image_grid_hws=None,
+        vision_token_types=None, engram_hash_ids=None, use_cache=None, past_key_values=None, inputs_embeds=None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        # input_ids [b, s] (right padded) -> last_hidden_state [b, s, dim]
+        validate_inputs(self, input_ids, attention_mask, position_ids, use_cache, past_key_values, inputs_embeds, kwargs)
+        h = self.embed(input_ids)  # [b, s, dim]
+        image_mask = None
+        if vision_token_types is not None:
+            if vision_token_types.shape != input_ids.shape:
+                raise ValueError(
+                    f"vision_token_types has shape {tuple(vision_token_types.shape)} but input_ids has "
+                    f"{tuple(input_ids.shape)}: give one token type per position (TEXT = -1)"
+                )
+            image_mask = vision_token_types >= 0  # delimiters included: bias_vl routing, Engram gate closed
+        if pixel_values is not None or (image_mask is not None and image_mask.any()):
+            h = self.embed_images(h, input_ids, pixel_values, image_grid_hws, vision_token_types)
+        b, s = input_ids.shape
+        x = h.unsqueeze(2).expand(b, s, self.hc, h.shape[-1]).contiguous()  # [b, s, hc, dim]
+        pre = torch.zeros(b, s, self.hc, dtype=torch.float32, device=h.device)
+        pre[..., 0] = 1.0  # block 0 collapses with a one-hot pre-mix on stream 0
+        state = CSA2State()
+        for layer in self.layers:
+            hash_ids = engram_hash_ids_for(engram_hash_ids, layer, self.config.text_config)
+            x, pre = layer(x, pre, state, input_ids=input_ids, image_mask=image_mask, engram_hash_ids=hash_ids)
+        return BaseModelOutput(last_hidden_state=self.norm(hc_pre(x, pre)))
+
+    def embed_images(self, h, input_ids, pixel_values, image_grid_hws, vision_token_types):
+        if not self.has_vision:
+            raise ValueError(
+                "this model has no vision tower (vision_config.num_hidden_layers is 0) but got image inputs; "
+                "load a checkpoint with the tower enabled or drop pixel_values / image spans"
+            )
+        if pixel_values is None or image_grid_hws is None or vision_token_types is None:
+            raise ValueError("image inputs need pixel_values, image_grid_hws and vision_token_types together")
+        from .vision import merge_image_embeddings
+
+        features = self.vision(pixel_values.to(self.vision.patch_embed.proj.weight.dtype), image_grid_hws)
+        aligned = [self.aligner(f, tuple(grid.tolist())) for f, grid in zip(features, image_grid_hws)]
+        return merge_image_embeddings(
+            h, vision_token_types, aligned, self.image_start, self.image_end, self.image_newline,
+            input_ids=input_ids, image_token_id=self.image_token_id,
+        )
+
+
+class DeepseekV41ForCausalLM(DeepseekV41Model):
+    """Backbone + fp32 head: logits are fp32 and never rounded to bf16."""
+
+    _with_head = True
+
+    def forward(self, input_ids=None, labels=None, attention_mask=None, **kwargs) -> CausalLMOutput:
+        # -> logits fp32 [b, s, vocab]; loss = shifted causal CE over labels != -100 (mean over counted tokens)
+        if labels is not None and (input_ids is None or labels.shape != input_ids.shape):
+            raise ValueError(
+                f"labels have shape {tuple(labels.shape)} but input_ids have "
+                f"{None if input_ids is None else tuple(input_ids.shape)}: give one label per position (-100 = ignore)"
+            )
+        hidden = super().forward(input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        logits = F.linear(hidden.float(), self.head.weight.float())
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels, attention_mask)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    # logits fp32 [b, s, vocab], labels [b, s]: position t predicts labels[t + 1]
+    if attention_mask is not None:
+        labels = labels.masked_fill(attention_mask == 0, -100)
+    targets = labels[:, 1:].reshape(-1)
+    total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets, ignore_index=-100, reduction="sum")
+    return total / (targets != -100).sum().clamp(min=1)
+
+
+def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, past_key_values, inputs_embeds, extra):
+    """Reject what this model cannot compute correctly, with the fix in the message."""
+    if use_cache or past_key_values is not None:
+        raise NotImplementedError(
+            "incremental decoding caches are not implemented (CSA2 state is rebuilt per forward); "
+            "call with use_cache=False and the full sequence"
+        )
+    if inputs_embeds is not None:
+        raise NotImplementedError("inputs_embeds is not supported: Engram hashing needs input_ids")
+    for key in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx"):
+        if key in extra:
+            raise ValueError(f"packed (THD) inputs ({key}) are not supported: pad each sequence in its own row")
+    for key in ("mtp", "dspark", "num_draft_tokens", "output_dspark"):
+        if key in extra:
+            raise NotImplementedError("DSpark/MTP draft stages are not implemented (their mtp.* weights are skipped)")
+    if extra:
+        raise TypeError(f"forward got unexpected keyword arguments {sorted(extra)}")
+    if input_ids is None:
+        raise ValueError("input_ids [batch, seq] are required")
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be [batch, seq] (unpacked); got shape {tuple(input_ids.shape)}. "
+            "Packed/THD inputs are not supported: pad each sequence in its own row"
+        )
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be an integer tensor (int64), got {input_ids.dtype}")
+    b, s = input_ids.shape
+    if s > model.max_positions:
+        raise ValueError(f"sequence length {s} exceeds max_position_embeddings={model.max_positions}")
+    if s > model.training_max_positions and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"training on sequences of {s} tokens (> {model.training_max_positions}) is out of scope "
+            "(million-token training needs context parallelism); run inference under torch.no_grad()"
+        )
+    if attention_mask is not None:
+        if attention_mask.shape != (b, s):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, s)}")
+        mask = attention_mask.bool()
+        if (mask[:, 1:] & ~mask[:, :-1]).any():
+            raise ValueError(
+                "attention_mask has padding before real tokens (left padding or holes); CSA2 supports only "
+                "right padding: put padding at the end of each row"
+            )
+    if position_ids is not None:
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if position_ids.shape[-1] != s:
+            raise ValueError(f"position_ids have length {position_ids.shape[-1]}, expected {s}")
+        expected = torch.arange(s, device=position_ids.device)
+        if not (position_ids == expected).all():
+            raise ValueError(
+                "position_ids must be zero-based and contiguous (0, 1, ..., seq-1) in every row; packed "
+                "sequences with restarting positions and offsets are not supported"
+            )
+
+
+def engram_hash_ids_for(engram_hash_ids, layer: DeepseekV41Block, text_config):
+    """Precomputed hash ids for ``layer``: a dict {layer_id: [b, s, cols]} or the stacked [b, s, n_layers, cols]."""
+    if engram_hash_ids is None or layer.engram is None:
+        return None
+    if isinstance(engram_hash_ids, dict):
+        return engram_hash_ids[layer.layer]
+    return engram_hash_ids[:, :, text_config.engram_layer_ids.index(layer.layer)]
+
+
+def resolve_checkpoint_dir(name_or_path, revision=None) -> Path:
+    """A local folder as is; anything else is a Hub repo id downloaded (once, cached) at ``revision``."""
+    path = Path(os.fspath(name_or_path)).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or str(name_or_path).startswith((".", "/")):
+        raise FileNotFoundError(f"checkpoint folder {name_or_path} does not exist or is not a folder")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(name_or_path), revision=revision))
+
+
+def revision_of(path: Path):
+    # Hub snapshots live in .../snapshots/<commit>/: that commit is the pinned, resolved revision.
+    return path.name if path.parent.name == "snapshots" else None
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "dtype", None) or "bfloat16"
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    return dtype
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def parse_size(size) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    text = str(size).strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def remote_code_files() -> list[Path]:
+    """The flat modeling files a checkpoint folder needs for ``trust_remote_code`` (this file, the config
+    file and everything they import relatively)."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    here = Path(__file__).resolve().parent
+    files = {Path(f) for f in get_relative_import_files(str(here / "modeling_deepseek_v41.py"))}
+    files |= {here / "modeling_deepseek_v41.py", here / "configuration_deepseek_v41.py"}
+    return sorted(files)

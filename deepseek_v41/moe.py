@@ -1,0 +1,137 @@
+"""Mixture of experts (architecture.md §8): fp32 router, stacked routed experts, one shared expert.
+
+Routed experts are stored stacked per layer (``experts.w1`` [E, inter, dim], ``w3`` [E, inter, dim],
+``w2`` [E, dim, inter]) for grouped GEMM and expert parallelism; the checkpoint adapter maps them to and
+from the released per-expert names ``ffn.experts.{e}.w{1,2,3}.weight``.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .layers import make_linear
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    # fp32 SwiGLU with the V4 clamps: up to [-limit, limit], gate to at most limit
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+class Router(nn.Module):
+    """Scores in fp32, selects with the fixed correction bias (``bias_vl`` on image tokens), weighs unbiased."""
+
+    def __init__(self, config, has_image_bias: bool):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.score_func = config.scoring_func
+        self.gate_temp = config.gate_temp
+        self.norm_topk_prob = config.norm_topk_prob
+        self.route_scale = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        # Correction biases are fixed in fine-tuning (gate_bias_update_factor 0): fp32 buffers, never trained.
+        self.register_buffer("bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        if has_image_bias:
+            self.register_buffer("bias_vl", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None):
+        # x [n, dim], image_mask [n] bool | None -> weights fp32 [n, k], expert ids int64 [n, k]
+        logits = F.linear(x.float(), self.weight.float()) / self.gate_temp
+        if self.score_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif self.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            raise ValueError(f"unknown scoring_func {self.score_func!r}; use sqrtsoftplus, softmax or sigmoid")
+        bias = self.bias
+        if image_mask is not None and hasattr(self, "bias_vl"):
+            bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
+        with torch.no_grad():  # the choice is discrete; gradients reach the router through the weights
+            experts = (scores + bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, experts
+
+
+class RoutedExperts(nn.Module):
+    """Stacked SwiGLU experts.  ``experts: torch_mm`` runs grouped GEMMs, ``torch`` a per-expert loop.
+
+    Expert parallelism (training code) keeps only the local experts here (``expert_offset`` = global id of
+    the first) and sets ``dispatcher``, which then owns the token exchange and calls ``grouped_forward``.
+    """
+
+    def __init__(self, config, backend: dict):
+        super().__init__()
+        n, dim, inter = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.n_experts = n
+        self.expert_offset = 0
+        self.limit = config.swiglu_limit
+        self.grouped = backend["experts"] == "torch_mm"
+        self.dispatcher = None
+        self.w1 = nn.Parameter(torch.empty(n, inter, dim))
+        self.w3 = nn.Parameter(torch.empty(n, inter, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, inter))
+
+    def grouped_forward(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x [m, dim] sorted by local expert, counts [E_local], weights fp32 [m] -> [m, dim] in x.dtype
+        if self.grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            gate = torch._grouped_mm(x, self.w1.to(x.dtype).transpose(-2, -1), offs=offs).float()
+            up = torch._grouped_mm(x, self.w3.to(x.dtype).transpose(-2, -1), offs=offs).float()
+            h = (swiglu(gate, up, self.limit) * weights.unsqueeze(-1)).to(x.dtype)
+            return torch._grouped_mm(h, self.w2.to(x.dtype).transpose(-2, -1), offs=offs)
+        outputs, start = [], 0
+        for e, count in enumerate(counts.tolist()):
+            rows = x[start : start + count]
+            h = swiglu(F.linear(rows, self.w1[e]).float(), F.linear(rows, self.w3[e]).float(), self.limit)
+            outputs.append(F.linear((h * weights[start : start + count, None]).to(x.dtype), self.w2[e]))
+            start += count
+        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x [n, dim], expert_ids [n, k] (global ids), weights fp32 [n, k] -> fp32 [n, dim] (sum over k)
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x, expert_ids, weights)
+        flat = expert_ids.flatten()
+        order = flat.argsort(stable=True)
+        token = order // expert_ids.shape[1]
+        counts = torch.bincount(flat, minlength=self.w1.shape[0])
+        y = self.grouped_forward(x[token], counts, weights.flatten()[order])
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y.float())
+
+
+class Expert(nn.Module):
+    """The shared expert: the same clamped SwiGLU, no routing weight."""
+
+    def __init__(self, dim: int, inter: int, limit: float, backend: dict):
+        super().__init__()
+        self.limit = limit
+        self.w1 = make_linear(dim, inter, backend)
+        self.w3 = make_linear(dim, inter, backend)
+        self.w2 = make_linear(inter, dim, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [n, dim] -> [n, dim]
+        return self.w2(swiglu(self.w1(x).float(), self.w3(x).float(), self.limit).to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, config, backend: dict, has_image_bias: bool):
+        super().__init__()
+        self.gate = Router(config, has_image_bias)
+        self.experts = RoutedExperts(config, backend)
+        self.shared_experts = Expert(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit, backend
+        )
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        # x [b, s, dim], image_mask [b, s] | None -> [b, s, dim]: routed sum in fp32 + shared, one rounding
+        flat = x.flatten(0, 1)
+        weights, experts = self.gate(flat, None if image_mask is None else image_mask.flatten())
+        y = self.experts(flat, experts, weights) + self.shared_experts(flat).float()
+        return y.to(x.dtype).view_as(x)

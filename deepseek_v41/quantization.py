@@ -1,0 +1,87 @@
+"""Simulated quantize→dequantize boundaries of CSA2 (architecture.md §6), with straight-through gradients.
+
+The forward rounds exactly as the official kernels do; the backward is the identity (project choice,
+as NeMo's V4.1 port: DeepSeek defines no estimator).  The rounding is done in an autograd.Function,
+not as ``x + (q - x).detach()``, because that sum re-rounds in bf16 and would not reproduce ``q``.
+
+| boundary            | format | block (last dim) | scale                      |
+|---------------------|--------|------------------|----------------------------|
+| window KV           | FP8    | 32               | UE8M0 power of two         |
+| compressed KV       | FP4    | 16               | E4M3 value                 |
+| index keys/queries  | FP4    | 32               | UE8M0 power of two         |
+"""
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    # x [..., n] -> fp32 [..., n // block, block]
+    if x.shape[-1] % block:
+        raise ValueError(f"quantization block {block} does not divide the last dimension {x.shape[-1]}")
+    return x.float().unflatten(-1, (-1, block))
+
+
+def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    # UE8M0 scale: the smallest power of two with amax / scale <= qmax.
+    return torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+
+
+def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 level (±{0, .5, 1, 1.5, 2, 3, 4, 6}) of ``y`` in [-6, 6], ties to the even code.
+
+    The levels are evenly spaced within [0, 2), [2, 4) and [4, 6] (steps .5, 1, 2), and in each range
+    round-half-to-even of ``y / step`` lands on the even code, so three ``torch.round`` calls do it.
+    """
+    a = y.abs()
+    q = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
+    return torch.copysign(q, y)
+
+
+def fp8_qdq_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    xb = _blocks(x, block)
+    scale = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=1e-4), FP8_MAX)
+    q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * scale).flatten(-2).to(x.dtype)
+
+
+def fp4_qdq_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    xb = _blocks(x, block)
+    scale = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=FP4_MAX * 2.0**-126), FP4_MAX)
+    q = round_to_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX))
+    return (q * scale).flatten(-2).to(x.dtype)
+
+
+def fp4_e4m3_scale_qdq_reference(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    xb = _blocks(x, block)
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=FP4_MAX * 2.0**-9)
+    scale = (amax / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
+    q = round_to_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX))
+    return (q * scale).flatten(-2).to(x.dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn):
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def fp8_qdq(x: torch.Tensor) -> torch.Tensor:
+    """Window KV boundary: FP8 e4m3, blocks of 32, UE8M0 scales; identity backward."""
+    return _StraightThrough.apply(x, fp8_qdq_reference)
+
+
+def fp4_qdq(x: torch.Tensor) -> torch.Tensor:
+    """Index query/key boundary: FP4 e2m1, blocks of 32, UE8M0 scales (MXFP4-like); identity backward."""
+    return _StraightThrough.apply(x, fp4_qdq_reference)
+
+
+def fp4_e4m3_scale_qdq(x: torch.Tensor) -> torch.Tensor:
+    """Compressed KV boundary: FP4 e2m1, groups of 16, E4M3 value scales (NVFP4-like); identity backward."""
+    return _StraightThrough.apply(x, fp4_e4m3_scale_qdq_reference)

