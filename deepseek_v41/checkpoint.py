@@ -116,24 +116,22 @@ def _work_dtype(dtype: torch.dtype, scale: torch.Tensor) -> torch.dtype:
 _TABLES: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _e4m3_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # [256] value of every E4M3 byte in `dtype`
-    key = ("e4m3", dtype, device)
-    if key not in _TABLES:
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-        _TABLES[key] = codes.float().to(dtype=dtype, device=device)
-    return _TABLES[key]
+def _code_table(kind: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256] value of each code byte in `dtype`.
 
-
-def _e2m1_pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # [256] both E2M1 values of a packed byte (low nibble first), as one int32 (bf16 pair) / int64 (fp32 pair)
-    key = ("e2m1x2", dtype, device)
+    kind "e4m3": the E4M3 value of the byte. kind "e2m1x2": both E2M1 values of a packed byte (low
+    nibble first) as one int32 (bf16 pair) or int64 (fp32 pair), so one gather writes two outputs.
+    """
+    key = (kind, dtype, device)
     if key not in _TABLES:
-        values = torch.tensor(E2M1_VALUES, dtype=dtype)
         byte = torch.arange(256)
-        pairs = torch.stack([values[byte & 0xF], values[byte >> 4]], dim=-1).contiguous()  # [256, 2]
-        packed_dtype = {torch.float32: torch.int64, torch.bfloat16: torch.int32}[dtype]
-        _TABLES[key] = pairs.view(packed_dtype).reshape(256).to(device)
+        if kind == "e4m3":
+            table = byte.to(torch.uint8).view(torch.float8_e4m3fn).float().to(dtype)
+        else:
+            values = torch.tensor(E2M1_VALUES, dtype=dtype)
+            pairs = torch.stack([values[byte & 0xF], values[byte >> 4]], dim=-1).contiguous()  # [256, 2]
+            table = pairs.view({torch.float32: torch.int64, torch.bfloat16: torch.int32}[dtype]).reshape(256)
+        _TABLES[key] = table.to(device)
     return _TABLES[key]
 
 
@@ -148,25 +146,55 @@ def _scale_groups_(out: torch.Tensor, row_scale: torch.Tensor, group: int) -> No
 
 
 def _row_steps(rows: int, cols: int, device: torch.device) -> Iterator[tuple[int, int]]:
-    step = max(1, _CPU_CHUNK_ELEMENTS // max(cols, 1)) if device.type == "cpu" else max(rows, 1)
+    # CPU: row blocks of ~64K output elements per thread, so each step stays in cache; GPU: one step
+    if device.type == "cpu":
+        step = max(1, _CPU_CHUNK_ELEMENTS * torch.get_num_threads() // max(cols, 1))
+    else:
+        step = max(rows, 1)
     for start in range(0, rows, step):
         yield start, min(start + step, rows)
 
 
-def _decode_fp8_row_scaled(
-    q: torch.Tensor, row_scale: torch.Tensor, group: int, dtype: torch.dtype
+def _decode_codes(
+    codes: torch.Tensor,
+    kind: str,
+    row_scale: torch.Tensor,
+    group: int,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
-    # q [r, c] E4M3, row_scale [r, ceil(c/group)] fp32/UE8M0 (one scale row per q row) -> [r, c] dtype
+    """Gather the `kind` table (see `_code_table`) at codes, then scale each group of `group` columns.
+
+    codes [r, k] uint8 (k = c, or c/2 for packed pairs); row_scale
+    [r, ceil(c/group)] fp32/UE8M0, one scale row per output row; result [r, c] = `shape`.
+    Writes into `out` when given (dtype taken from it).
+    """
+    if out is not None and tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, the decoded tensor {tuple(shape)}")
+    dtype = out.dtype if out is not None else dtype
     work = _work_dtype(dtype, row_scale)
-    scale = e8m0_to_float(row_scale).to(device=q.device, dtype=work)
-    table = _e4m3_table(work, q.device)
-    codes = q.view(torch.uint8)
-    out = torch.empty(q.shape, dtype=work, device=q.device)
-    for start, stop in _row_steps(q.shape[0], q.shape[1], q.device):
+    scale = e8m0_to_float(row_scale).to(device=codes.device, dtype=work)
+    direct = out is not None and out.dtype == work and out.device == codes.device and out.is_contiguous()
+    dest = out if direct else torch.empty(shape, dtype=work, device=codes.device)
+    table = _code_table(kind, work, codes.device)
+    entries = dest.view(table.dtype)  # [r, k]: one table entry per code
+    for start, stop in _row_steps(shape[0], shape[1], codes.device):
         index = codes[start:stop].reshape(-1).to(torch.int32)
-        torch.index_select(table, 0, index, out=out[start:stop].view(-1))
-        _scale_groups_(out[start:stop], scale[start:stop], group)
-    return out.to(dtype)
+        torch.index_select(table, 0, index, out=entries[start:stop].view(-1))
+        _scale_groups_(dest[start:stop], scale[start:stop], group)
+    if out is None:
+        return dest.to(dtype)
+    if not direct:
+        out.copy_(dest)
+    return out
+
+
+def _decode_fp8_row_scaled(
+    q: torch.Tensor, row_scale: torch.Tensor, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    # q [r, c] E4M3, row_scale [r, ceil(c/group)] (one scale row per q row) -> [r, c]
+    return _decode_codes(q.view(torch.uint8), "e4m3", row_scale, group, tuple(q.shape), dtype, out)
 
 
 def _take_rows(scale: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -182,11 +210,17 @@ def _check_2d(name: str, tensor: torch.Tensor) -> None:
 
 
 def decode_fp8_blockwise(
-    q: torch.Tensor, scale: torch.Tensor, block: int | tuple[int, int] = 32, *, dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: int | tuple[int, int] = 32,
+    *,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 weight q [out, in] E4M3 with block scales [ceil(out/bo), ceil(in/bi)] -> W [out, in] in `dtype`.
 
-    W[i, j] = float(q[i, j]) * S[i // bo, j // bi]; edge blocks are partial (ceil grid).
+    W[i, j] = float(q[i, j]) * S[i // bo, j // bi]; edge blocks are partial (ceil grid). The block size is
+    given, never inferred from the shapes. `out` (optional) receives the result in its own dtype.
     """
     bo, bi = _pair(block)
     _check_2d("FP8 weight", q)
@@ -197,7 +231,7 @@ def decode_fp8_blockwise(
             f"blocks: expected the ceil grid {expected}"
         )
     row_block = torch.arange(q.shape[0], device=scale.device) // bo
-    return _decode_fp8_row_scaled(q, _take_rows(scale, row_block), bi, dtype)
+    return _decode_fp8_row_scaled(q, _take_rows(scale, row_block), bi, dtype, out)
 
 
 def decode_fp8_rows(
@@ -207,6 +241,7 @@ def decode_fp8_rows(
     rows: slice | None = None,
     *,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 table q [rows, d] E4M3 with per-row scales [rows, ceil(d/group)] -> E[rows, d] (or E[rows_slice]).
 
@@ -219,35 +254,31 @@ def decode_fp8_rows(
                          f"expected {expected}")
     if rows is not None:
         q, scale = q[rows], scale[rows]
-    return _decode_fp8_row_scaled(q, scale, group, dtype)
+    return _decode_fp8_row_scaled(q, scale, group, dtype, out)
 
 
 def decode_fp4_packed(
-    packed: torch.Tensor, scale: torch.Tensor, group: int = 32, *, dtype: torch.dtype = torch.float32
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    group: int = 32,
+    *,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP4 expert weight packed [out, in/2] I8/U8 with scales [out, ceil(in/group)] -> W [out, in] in `dtype`.
 
-    Byte k of a row holds element 2k in its low nibble and 2k+1 in its high nibble (E2M1 codes).
+    Byte k of a row holds element 2k in its low nibble and 2k+1 in its high nibble (E2M1 codes);
+    W[i, j] = E2M1[code] * S[i, j // group].
     """
     _check_2d("FP4 packed weight", packed)
     if packed.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"FP4 packed weight must be int8/uint8 bytes, got {packed.dtype}")
-    out_features, in_features = packed.shape[0], 2 * packed.shape[1]
-    expected = (out_features, _ceil_div(in_features, group))
+    shape = (packed.shape[0], 2 * packed.shape[1])
+    expected = (shape[0], _ceil_div(shape[1], group))
     if tuple(scale.shape) != expected:
         raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not match packed weight "
-                         f"{tuple(packed.shape)} (unpacked [{out_features}, {in_features}]): expected {expected}")
-    work = _work_dtype(dtype, scale)
-    row_scale = e8m0_to_float(scale).to(device=packed.device, dtype=work)
-    table = _e2m1_pair_table(work, packed.device)
-    codes = packed.view(torch.uint8)
-    out = torch.empty((out_features, in_features), dtype=work, device=packed.device)
-    pairs = out.view(table.dtype)  # [out, in/2]: one table entry per packed byte
-    for start, stop in _row_steps(out_features, in_features, packed.device):
-        index = codes[start:stop].reshape(-1).to(torch.int32)
-        torch.index_select(table, 0, index, out=pairs[start:stop].view(-1))
-        _scale_groups_(out[start:stop], row_scale[start:stop], group)
-    return out.to(dtype)
+                         f"{tuple(packed.shape)} (unpacked {list(shape)}): expected {expected}")
+    return _decode_codes(packed.view(torch.uint8), "e2m1x2", scale, group, shape, dtype, out)
 
 
 def _pow2_scale_exponent(amax: torch.Tensor, level_max: float) -> torch.Tensor:
@@ -619,32 +650,36 @@ class ReleasedCheckpoint:
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Floating-point value of tensor `name` (rows [start, stop) only, if given) in `dtype`.
+        """Floating-point value of tensor `name` (rows [start, stop) only, if given).
 
-        Quantized formats decode exactly (to fp32 by default; bf16 holds every value too); plain tensors
-        keep their stored dtype unless `dtype` says otherwise.
+        Quantized formats decode exactly (to fp32 by default; bf16 holds every value too); plain tensors keep
+        their stored dtype unless `dtype` says otherwise. With `out`, the result is written there (its dtype
+        and device win) and only the bytes of the requested rows are read.
         """
         t = self.tensors[name]
-        dtype = dtype or t.dtype
-        device = torch.device(device)
+        if out is not None:
+            dtype, device = out.dtype, out.device
+        dtype, device = dtype or t.dtype, torch.device(device)
+        start, stop, _ = (rows or slice(None)).indices(t.shape[0] if t.shape else 1)
+        rows = slice(start, max(start, stop))
         if t.fmt == "plain":
-            return self.read_raw(t.record, rows).to(device=device, dtype=dtype)
-        start, stop, _ = (rows or slice(None)).indices(t.shape[0])
-        stop = max(start, stop)
-        q = self.read_raw(t.record, slice(start, stop)).to(device)
+            value = self.read_raw(t.record, rows if t.shape else None)
+            return out.copy_(value) if out is not None else value.to(device=device, dtype=dtype)
+        q = self.read_raw(t.record, rows).to(device)
         try:
             if t.fmt == "fp4":
-                scale = self.read_raw(t.scale, slice(start, stop)).to(device)
-                return decode_fp4_packed(q, scale, self.group, dtype=dtype)
+                scale = self.read_raw(t.scale, rows).to(device)
+                return decode_fp4_packed(q, scale, self.group, dtype=dtype, out=out)
             if t.fmt == "fp8_rows":
-                scale = self.read_raw(t.scale, slice(start, stop)).to(device)
-                return decode_fp8_rows(q, scale, self.group, dtype=dtype)
-            # fp8_block: the scale rows covering [start, stop), one per row of q
-            block_rows = slice(start // self.block[0], _ceil_div(stop, self.block[0]))
+                scale = self.read_raw(t.scale, rows).to(device)
+                return decode_fp8_rows(q, scale, self.group, dtype=dtype, out=out)
+            # fp8_block: read the scale block rows covering the rows, then one scale row per row of q
+            block_rows = slice(rows.start // self.block[0], _ceil_div(rows.stop, self.block[0]))
             scale = self.read_raw(t.scale, block_rows).to(device)
-            row_block = torch.arange(start, stop, device=device) // self.block[0] - block_rows.start
-            return _decode_fp8_row_scaled(q, _take_rows(scale, row_block), self.block[1], dtype)
+            row_block = torch.arange(rows.start, rows.stop, device=device) // self.block[0] - block_rows.start
+            return _decode_fp8_row_scaled(q, _take_rows(scale, row_block), self.block[1], dtype, out)
         except ValueError as exc:
             raise CheckpointError(f"cannot decode tensor {name!r} from {t.where}: {exc}") from exc
 
@@ -811,19 +846,20 @@ def load_checkpoint_into_model(
 
 
 def _load_one(checkpoint: ReleasedCheckpoint, name: str, target: torch.Tensor) -> None:
+    # decode `name` in row blocks of ~LOAD_BLOCK_BYTES straight into the target's dtype and device
     stored = checkpoint.tensors[name]
-    if target.dim() == 0:
-        copy_rows_into(target, 0, checkpoint.decode(name, dtype=target.dtype, device=target.device))
-        return
     rows = local_row_range(target)
-    row_out_bytes = max(1, math.prod(stored.shape[1:]) * target.element_size())
-    step = max(1, LOAD_BLOCK_BYTES // row_out_bytes)
+    row_bytes = max(1, math.prod(stored.shape[1:]) * target.element_size())
+    step = max(1, LOAD_BLOCK_BYTES // row_bytes)
     if stored.fmt == "fp8_block":  # whole scale blocks per step: no scale row is read twice
         step = max(checkpoint.block[0], step // checkpoint.block[0] * checkpoint.block[0])
+    direct = not _is_dtensor(target) and target.is_contiguous()
     for start in range(rows.start, rows.stop, step):
-        stop = min(start + step, rows.stop)
-        decoded = checkpoint.decode(name, slice(start, stop), dtype=target.dtype, device=target.device)
-        copy_rows_into(target, start, decoded)
+        block = slice(start, min(start + step, rows.stop))
+        if direct:  # fast path for plain tensors: decode into the parameter's memory
+            checkpoint.decode(name, block, out=target[block] if target.dim() else target)
+        else:
+            copy_rows_into(target, start, checkpoint.decode(name, block, dtype=target.dtype, device=target.device))
 
 
 # ----------------------------------------------------------------------------------------------------

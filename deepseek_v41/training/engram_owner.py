@@ -29,12 +29,12 @@ def engram_modules(model: nn.Module) -> list:
 class RowOwnerLookup:
     """``Engram.table_lookup``: hash ids [b, s, cols] -> rows [b, s, cols, d] from the owners' blocks."""
 
-    def __init__(self, weight: nn.Parameter, rows: int, group):
-        self.weight = weight  # [local, d], this rank's block
+    def __init__(self, embed: nn.Embedding, rows: int, group):
+        self.embed = embed  # weight [local, d]: this rank's block
         self.rows = rows
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.local = weight.shape[0]
+        self.local = embed.weight.shape[0]
 
     def __call__(self, hash_ids: torch.Tensor) -> torch.Tensor:
         flat = hash_ids.flatten()
@@ -58,7 +58,7 @@ class RowOwnerLookup:
                 f"{min(self.rows, (self.rank + 1) * self.local)}): the id exchange is corrupted "
                 "(on H100 clusters with the HPC-X NCCL plugin set NCCL_PXN_DISABLE=1)"
             )
-        found = F.embedding(local_ids, self.weight)  # [m, d]
+        found = F.embedding(local_ids, self.embed.weight)  # [m, d]
         back = all_to_all(found, recv_splits, send_splits, self.group)  # [n, d], in `order`
         restore = torch.empty_like(order)
         restore[order] = torch.arange(order.numel(), device=order.device)
@@ -86,6 +86,6 @@ def apply_row_owner_engram(model: nn.Module, group) -> list:
     for engram in engram_modules(model):
         start, rows = shard_engram_table(engram, rank, owners)
         engram.table_rows = (start, rows)  # read by the checkpoint loader: which global rows are local
-        engram.table_lookup = RowOwnerLookup(engram.embed.weight, rows, group)
+        engram.table_lookup = RowOwnerLookup(engram.embed, rows, group)
         tables.append(engram.embed.weight)
     return tables

@@ -1,0 +1,217 @@
+"""Processor of DeepSeek-V4.1: chat template, tokenizer and image processor, with image spans expanded by id.
+
+Text marks each image with ``IMAGE_PLACEHOLDER`` (``<｜deepseek_image｜>``, the V4.1 code's name; the chat
+template writes it for ``{"type": "image"}`` content parts). The processor splits the text at the
+placeholders, tokenizes the pieces, and puts one image span in each gap::
+
+    START, (IMAGE x n_llm_w, NEWLINE) x n_llm_h, END      every position with id image_token_id (129264)
+
+so the span never depends on how a tokenizer spells id 129264 (the V4 tokenizer calls it ``<｜image2｜>``,
+a non-special token). ``vision_token_types`` (TEXT -1, START 0, IMAGE 1, NEWLINE 2, END 3) tells the span
+positions apart. The processor adds no special tokens: BOS comes from the chat template (or the text).
+
+The chat template is a Jinja port of the DeepSeek-V4 chat format (``encoding_dsv4.py``) for ordinary
+conversations: system, user and assistant messages with text and image parts, chat mode or thinking mode
+(``apply_chat_template(..., thinking=True)``). Specialized formatting -- tools and DSML tool calls,
+``developer``/``latest_reminder``/``tool`` roles, tasks, ``reasoning_effort``, keeping earlier reasoning --
+should be rendered with the official ``encoding_dsv4.py`` encoder into a string first, then passed to the
+processor as ``text`` (with ``IMAGE_PLACEHOLDER`` where images go).
+"""
+
+import torch
+from transformers import AutoImageProcessor, AutoProcessor
+from transformers.image_processing_utils import BatchFeature
+from transformers.image_utils import make_flat_list_of_images
+from transformers.processing_utils import MultiModalData, ProcessingKwargs, ProcessorMixin, Unpack
+
+from .configuration_deepseek_v41 import DeepseekV41Config
+from .image_processing_deepseek_v41 import PLAN_FIELDS, DeepseekV41ImageProcessor, DeepseekV41ImageProcessorKwargs
+from .vision import TEXT, image_span_length, image_span_token_types, llm_grid
+
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+
+# DeepSeek-V4 chat format: BOS{system}<｜User｜>{user}<｜Assistant｜></think>{assistant}<｜end▁of▁sentence｜>...
+# Chat mode closes thinking right after <｜Assistant｜>. Thinking mode opens <think> after the LAST user turn
+# and renders the answer to it as {reasoning_content}</think>{content}; earlier answers keep their content
+# only (earlier reasoning is dropped). As in the official encoder, <｜Assistant｜> plus the think token
+# always follow the last user turn (add_generation_prompt changes nothing), and consecutive user
+# messages merge with a blank line.
+CHAT_TEMPLATE = (
+    "{%- if tools or documents -%}"
+    "{{ raise_exception('This template covers plain conversations; render tools with the official "
+    "encoding_dsv4.py and pass the string to the processor as text.') }}"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{{- '<｜begin▁of▁sentence｜>' -}}"
+    "{%- for message in messages -%}"
+    "{%- set role = message['role'] -%}"
+    "{%- if message['content'] is string or message['content'] is none -%}"
+    "{%- set text = message['content'] or '' -%}"
+    "{%- else -%}"
+    "{%- set parts = namespace(text='') -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{%- set parts.text = parts.text + part['text'] -%}"
+    "{%- elif part['type'] == 'image' -%}{%- set parts.text = parts.text + '" + IMAGE_PLACEHOLDER + "' -%}"
+    "{%- else -%}{{ raise_exception('Unsupported content part type: ' + part['type']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- set text = parts.text -%}"
+    "{%- endif -%}"
+    "{%- if role == 'system' -%}"
+    "{{- text -}}"
+    "{%- elif role == 'user' -%}"
+    "{%- if loop.index0 > 0 and messages[loop.index0 - 1]['role'] == 'user' -%}{{- '\n\n' + text -}}"
+    "{%- else -%}{{- '<｜User｜>' + text -}}{%- endif -%}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] == 'assistant' -%}"
+    "{{- '<｜Assistant｜>' -}}"
+    "{%- if thinking and loop.index0 == ns.last_user -%}{{- '<think>' -}}{%- else -%}{{- '</think>' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- elif role == 'assistant' -%}"
+    "{%- if message['tool_calls'] -%}"
+    "{{ raise_exception('Tool calls need the official encoding_dsv4.py encoder.') }}"
+    "{%- endif -%}"
+    "{%- if thinking and loop.index0 > ns.last_user -%}"
+    "{{- (message['reasoning_content'] or '') + '</think>' -}}"
+    "{%- endif -%}"
+    "{{- text + '<｜end▁of▁sentence｜>' -}}"
+    "{%- else -%}"
+    "{{ raise_exception('Role ' + role + ' needs the official encoding_dsv4.py encoder; this template "
+    "renders system, user and assistant.') }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+class DeepseekV41ProcessorKwargs(ProcessingKwargs, total=False):
+    images_kwargs: DeepseekV41ImageProcessorKwargs
+
+
+class DeepseekV41Processor(ProcessorMixin):
+    """Tokenizer + ``DeepseekV41ImageProcessor`` + chat template.
+
+    ``__call__(text, images)`` returns ``input_ids``, ``attention_mask``, ``vision_token_types`` [b, s]
+    (padded with the tokenizer's pad id, mask 0 and TEXT on the tokenizer's padding side) and, with images,
+    ``pixel_values`` [all patches, 3, 14, 14] (BF16) and ``image_grid_hws`` [n_images, 2]; images are
+    consumed in order of their placeholders, row by row."""
+
+    valid_processor_kwargs = DeepseekV41ProcessorKwargs
+    text_kwargs = {"padding": True}  # batches are padded to the longest row unless padding=False
+    image_token = IMAGE_PLACEHOLDER
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, image_token_id=129264, **kwargs):
+        self.image_token_id = image_token_id
+        super().__init__(image_processor, tokenizer, chat_template=chat_template or CHAT_TEMPLATE, **kwargs)
+
+    def __call__(self, images=None, text=None, **kwargs: Unpack[DeepseekV41ProcessorKwargs]) -> BatchFeature:
+        if text is None:
+            raise ValueError("text is required (use IMAGE_PLACEHOLDER where images go); for images alone call "
+                             "processor.image_processor")
+        texts = [text] if isinstance(text, str) else list(text)
+        images = [] if images is None else make_flat_list_of_images(images)
+        n_placeholders = [t.count(self.image_token) for t in texts]
+        if sum(n_placeholders) != len(images):
+            raise ValueError(
+                f"the text holds {sum(n_placeholders)} image placeholders {self.image_token} (per row "
+                f"{n_placeholders}) but {len(images)} images were given; give one image per placeholder"
+            )
+        merged = self._merge_kwargs(DeepseekV41ProcessorKwargs, tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs)
+        text_kwargs, images_kwargs = merged["text_kwargs"], merged["images_kwargs"]
+        return_tensors = text_kwargs.get("return_tensors")
+        if text_kwargs.get("truncation") or text_kwargs.get("return_offsets_mapping"):
+            raise ValueError("truncation and offset mappings are not supported: they would cut or misplace image "
+                             "spans; shorten conversations before processing")
+
+        data = {}
+        llm_grids = []
+        if images:
+            data.update(self.image_processor(images, **images_kwargs))
+            ratio = images_kwargs.get("downsample_ratio") or self.image_processor.downsample_ratio
+            llm_grids = [llm_grid(h, w, ratio) for h, w in data["image_grid_hws"].tolist()]
+
+        # Tokenize the text between placeholders (one batched call), then put a span in each gap.
+        pieces = [t.split(self.image_token) for t in texts]
+        piece_ids = iter(self.tokenizer([p for row in pieces for p in row], add_special_tokens=False)["input_ids"])
+        grids = iter(llm_grids)
+        rows_ids, rows_types = [], []
+        for row in pieces:
+            ids, types = [], []
+            for k in range(len(row)):
+                if k:
+                    span_types = image_span_token_types(*next(grids))
+                    ids += [self.image_token_id] * len(span_types)
+                    types += span_types
+                piece = next(piece_ids)
+                if self.image_token_id in piece:
+                    raise ValueError(
+                        f"the text contains token id {self.image_token_id} "
+                        f"({self.tokenizer.convert_ids_to_tokens(self.image_token_id)!r}) outside an image "
+                        f"placeholder; that id is reserved for image spans, write {self.image_token} instead"
+                    )
+                ids += piece
+                types += [TEXT] * len(piece)
+            rows_ids.append(ids)
+            rows_types.append(types)
+        data.update(self._pad(rows_ids, rows_types, text_kwargs))
+        return BatchFeature(data=data, tensor_type=return_tensors)
+
+    def _pad(self, rows_ids, rows_types, text_kwargs):
+        """Pad rows of ids/types to a common length (``padding`` True/'longest'/'max_length'/False)."""
+        padding = text_kwargs.get("padding")
+        lengths = [len(r) for r in rows_ids]
+        if padding in (True, "longest"):
+            target = max(lengths)
+        elif padding == "max_length":
+            target = text_kwargs.get("max_length") or max(lengths)
+            if target < max(lengths):
+                raise ValueError(f"max_length={target} is shorter than the longest row ({max(lengths)} tokens)")
+        elif padding in (False, None, "do_not_pad"):
+            target = None
+        else:
+            raise ValueError(f"padding={padding!r}; use True/'longest', 'max_length' or False")
+        if target is not None and (multiple := text_kwargs.get("pad_to_multiple_of")):
+            target = -(-target // multiple) * multiple
+        out = {"input_ids": [], "attention_mask": [], "vision_token_types": []}
+        side = text_kwargs.get("padding_side") or self.tokenizer.padding_side
+        for ids, types in zip(rows_ids, rows_types):
+            n_pad = 0 if target is None else target - len(ids)
+            if n_pad and self.tokenizer.pad_token_id is None:
+                raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token or pass padding=False")
+            pads = ([self.tokenizer.pad_token_id] * n_pad, [0] * n_pad, [TEXT] * n_pad)
+            rows = (ids, [1] * len(ids), types)
+            for key, row, pad in zip(out, rows, pads):
+                out[key].append(pad + row if side == "left" else row + pad)
+        return out
+
+    def _get_num_multimodal_tokens(self, image_sizes=None, **kwargs):
+        """Span length and patch count per image size ``(height, width)`` (for serving engines)."""
+        if image_sizes is None:
+            return MultiModalData()
+        images_kwargs = self._merge_kwargs(DeepseekV41ProcessorKwargs, **kwargs)["images_kwargs"]
+        plan = {name: images_kwargs[name] for name in PLAN_FIELDS if name in images_kwargs}
+        ratio = plan.get("downsample_ratio") or self.image_processor.downsample_ratio
+        grids = [self.image_processor.vit_grid(h, w, **plan) for h, w in image_sizes]
+        return MultiModalData(
+            num_image_tokens=[image_span_length(*llm_grid(h, w, ratio)) for h, w in grids],
+            num_image_patches=[h * w for h, w in grids],
+        )
+
+    @property
+    def model_input_names(self):
+        return ["input_ids", "attention_mask", "vision_token_types", "pixel_values", "image_grid_hws"]
+
+
+def register_processors():
+    """Make ``AutoImageProcessor``/``AutoProcessor`` find these classes locally, and have ``save_pretrained``
+    copy their code and write ``auto_map`` (for ``trust_remote_code=True`` without this package)."""
+    AutoImageProcessor.register(
+        DeepseekV41Config, image_processor_classes={"pil": DeepseekV41ImageProcessor}, exist_ok=True
+    )
+    AutoProcessor.register(DeepseekV41Config, DeepseekV41Processor, exist_ok=True)
+    DeepseekV41ImageProcessor.register_for_auto_class("AutoImageProcessor")
+    DeepseekV41Processor.register_for_auto_class("AutoProcessor")
+
+
+__all__ = ["DeepseekV41Processor", "IMAGE_PLACEHOLDER", "register_processors"]

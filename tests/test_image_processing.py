@@ -1,0 +1,143 @@
+"""DeepseekV41ImageProcessor: golden patches, the official resize plan, image modes, padding, limits."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from deepseek_v41.configuration_deepseek_v41 import DeepseekV41VisionConfig
+from deepseek_v41.image_processing_deepseek_v41 import DeepseekV41ImageProcessor, plan_image_box
+from deepseek_v41.vision import image_span_length, llm_grid
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden" / "v41_tiny_vision"
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return load_file(GOLDEN / "reference" / "golden.safetensors")
+
+
+@pytest.fixture(scope="module")
+def tiny_processor():
+    """The fixture model's vision config: max_image_tokens 64, min_pixels 1."""
+    vision = json.loads((GOLDEN / "snapshot" / "config.json").read_text())["vision_config"]
+    return DeepseekV41ImageProcessor.from_vision_config(DeepseekV41VisionConfig(**vision))
+
+
+def test_fixture_images_reproduce_official_patches_bit_exactly(golden, tiny_processor):
+    images = [Image.fromarray(golden[f"image{k}.rgb_uint8"].numpy()) for k in range(2)]
+    out = tiny_processor(images)
+    expected = torch.cat([golden["image0.patches"], golden["image1.patches"]])
+    assert out["pixel_values"].dtype == torch.bfloat16
+    assert torch.equal(out["pixel_values"].view(torch.int16), expected.view(torch.int16))
+    for k in range(2):
+        # stored grid: [span start, n_vit_h, n_vit_w, n_llm_h, n_llm_w]
+        _, vit_h, vit_w, llm_h, llm_w = golden[f"image{k}.grid"].tolist()
+        assert out["image_grid_hws"][k].tolist() == [vit_h, vit_w]
+        assert llm_grid(vit_h, vit_w, tiny_processor.downsample_ratio) == (llm_h, llm_w)
+
+
+# (width, height) -> (n_llm_h, n_llm_w) under the released vision config, as computed by the official
+# inference/image_processor.py (revision dba1be0a) in a published sweep (xbzb404/dsh-context-compression-selector,
+# packages/runtime/tests/fixtures/vision-official-sweep.json): min-pixel upscales, plain sizes and shrinks.
+OFFICIAL_GRIDS = {
+    (1, 1): (13, 13), (2, 3): (16, 11), (13, 14): (14, 13), (28, 14): (10, 19), (543, 544): (13, 13),
+    (240, 180): (12, 15), (180, 240): (15, 12), (640, 480): (12, 16), (800, 600): (15, 20),
+    (1024, 768): (19, 25), (1280, 960): (23, 31), (1600, 1200): (27, 36), (2000, 2000): (31, 31),
+    (4000, 3000): (27, 36), (1444, 1240): (29, 34), (4328, 2964): (26, 38), (4, 400): (130, 2),
+    (400, 4): (2, 130), (1152, 128): (5, 39), (4200, 100): (3, 100), (10000, 10): (1, 410),
+    (10, 10000): (410, 1), (839, 2): (1, 266), (3235, 396): (10, 78), (99, 3973): (95, 3),
+}
+
+
+@pytest.mark.parametrize("size", list(OFFICIAL_GRIDS))
+def test_resize_plan_matches_official_grids(size):
+    processor = DeepseekV41ImageProcessor()  # released defaults: 1024 tokens, min_pixels 544^2
+    width, height = size
+    assert llm_grid(*processor.vit_grid(height, width), 3) == OFFICIAL_GRIDS[size]
+
+
+def test_shrink_collapses_to_single_row_and_column():
+    # 62 = max_image_tokens - 2 positions left for the grid: one row takes n_w + 1, one column 2 per row
+    assert plan_image_box(5000, 20, 14, 3, 64, 1) == (42, 61 * 42)
+    assert plan_image_box(20, 5000, 14, 3, 64, 1) == (31 * 42, 42)
+    for box_h, box_w in (plan_image_box(5000, 20, 14, 3, 64, 1), plan_image_box(20, 5000, 14, 3, 64, 1)):
+        assert image_span_length(*llm_grid(box_h // 14, box_w // 14, 3)) == 64
+
+
+def _uint8(pixels):
+    """Undo (x/255 - 0.5)/0.5 for values that are exact in bf16."""
+    return torch.round((pixels.float() * 0.5 + 0.5) * 255)
+
+
+def test_made_up_images_token_counts_grids_and_range(tiny_processor):
+    rng = np.random.default_rng(0)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (37, 150, 3), dtype=np.uint8)),  # wide
+        Image.fromarray(rng.integers(0, 256, (200, 45, 4), dtype=np.uint8), mode="RGBA"),  # tall, RGBA
+        Image.fromarray(rng.integers(0, 256, (60, 60), dtype=np.uint8), mode="L"),  # gray
+        Image.new("P", (33, 17)),  # palette
+        Image.new("RGB", (3000, 2000), (200, 10, 10)),  # large: shrink to <= 64 positions
+        Image.new("RGB", (9000, 30)),  # extreme aspect: shrink
+    ]
+    out = tiny_processor(images)
+    grids = out["image_grid_hws"].tolist()
+    assert out["pixel_values"].shape[0] == sum(h * w for h, w in grids)
+    assert out["pixel_values"].abs().max() <= 1.0
+    spans = [image_span_length(*llm_grid(h, w, 3)) for h, w in grids]
+    assert all(n <= 64 for n in spans)
+    assert max(spans[-2:]) > 50  # the shrunk images use most of the budget, not a trivial grid
+    start = 0
+    for image, (h, w) in zip(images, grids):
+        # every image is planned on its own: processing it alone gives the same patches
+        single = tiny_processor(image)["pixel_values"]
+        assert torch.equal(single, out["pixel_values"][start : start + h * w])
+        start += h * w
+
+
+def test_tiny_image_is_upscaled_to_min_pixels():
+    processor = DeepseekV41ImageProcessor()  # min_pixels 295936
+    out = processor(Image.new("RGB", (5, 3), (0, 255, 0)))
+    h, w = out["image_grid_hws"][0].tolist()
+    assert (h * 14) * (w * 14) >= 295936 * 0.95
+    assert image_span_length(*llm_grid(h, w, 3)) <= 1024
+    green = _uint8(out["pixel_values"][:, 1]) == 255
+    assert green.float().mean() > 0.95  # the image fills the box; gray only in the rounding margin
+
+
+def test_aspect_preserving_resize_pads_centered_gray(tiny_processor):
+    # 100x20 white -> box 112x28: resized to 112x22, 3 gray rows above and below
+    out = tiny_processor(Image.new("RGB", (100, 20), (255, 255, 255)))
+    assert out["image_grid_hws"].tolist() == [[2, 8]]
+    pixels = out["pixel_values"].reshape(2, 8, 3, 14, 14).permute(2, 0, 3, 1, 4).reshape(3, 28, 112)
+    values = _uint8(pixels)
+    assert torch.all(values[:, :3] == 127) and torch.all(values[:, -3:] == 127)
+    assert torch.all(values[:, 4:-4] == 255)
+
+
+def test_rgba_drops_alpha_and_gray_expands(tiny_processor):
+    rgb = np.random.default_rng(1).integers(0, 256, (28, 42, 3), dtype=np.uint8)
+    rgba = np.concatenate([rgb, np.zeros((28, 42, 1), np.uint8)], axis=-1)  # fully transparent
+    from_rgb = tiny_processor(Image.fromarray(rgb))["pixel_values"]
+    from_rgba = tiny_processor(Image.fromarray(rgba, mode="RGBA"))["pixel_values"]
+    assert torch.equal(from_rgba, from_rgb)  # PIL convert("RGB"), not compositing on white
+    gray = tiny_processor(Image.fromarray(rgb[..., 0], mode="L"))["pixel_values"]
+    assert torch.equal(gray[:, 0], gray[:, 1]) and torch.equal(gray[:, 0], gray[:, 2])
+    assert torch.equal(_uint8(gray[:, 0]), _uint8(from_rgb[:, 0]))
+
+
+def test_patches_are_row_major(tiny_processor):
+    # 28x42 image whose pixel value encodes the patch index
+    index = np.arange(6, dtype=np.uint8).reshape(2, 3).repeat(14, 0).repeat(14, 1) * 40
+    out = tiny_processor(Image.fromarray(np.stack([index] * 3, -1)))
+    assert out["image_grid_hws"].tolist() == [[2, 3]]
+    assert _uint8(out["pixel_values"][:, 0, 0, 0]).tolist() == [0, 40, 80, 120, 160, 200]
+
+
+def test_rejects_non_uint8_arrays(tiny_processor):
+    with pytest.raises(ValueError, match="uint8"):
+        tiny_processor(np.zeros((3, 28, 28), dtype=np.float32))

@@ -1,0 +1,179 @@
+"""The text model on a tiny config with every layer kind: causality, padding, loss, gradients, backends."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from conftest import tiny_config, tiny_model
+from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
+
+
+@pytest.fixture(scope="module")
+def model(v4_tokenizer):
+    return tiny_model(v4_tokenizer).eval()
+
+
+def ids_batch(b=2, s=64, seed=1, vocab=1024):
+    return torch.randint(3, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def test_tiny_config_has_every_layer_kind(model):
+    text = model.config.text_config
+    modes = [text.attention_mode(i) for i in range(text.num_hidden_layers)]
+    assert modes == ["window", "window", "full", "reuse", "full", "full", "reuse", "reindex", "reuse"]
+    assert [text.compress_ratios[i] for i in (2, 5)] == [2, 1]
+    assert text.candidate_source_layer_id == 5 and hasattr(model.layers[5].attn, "indexer")
+    assert not hasattr(model.layers[7].attn.indexer, "wk"), "Reindex layers own no index-key projection"
+    assert [i for i, layer in enumerate(model.layers) if layer.engram is not None] == [1, 4]
+
+
+def test_causality(model):
+    ids = ids_batch()
+    changed = ids.clone()
+    t = 40
+    changed[:, t] = (changed[:, t] + 7) % 1024
+    with torch.no_grad():
+        a, b = model(ids).logits, model(changed).logits
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(a[:, t:], b[:, t:]), "the changed token must change later logits"
+
+
+def test_right_padding_keeps_real_token_logits(model):
+    ids = ids_batch(s=48)
+    padded = torch.cat([ids, torch.full((2, 16), 2)], dim=1)
+    mask = torch.cat([torch.ones(2, 48, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        plain = model(ids).logits
+        with_pad = model(padded, attention_mask=mask).logits
+    torch.testing.assert_close(with_pad[:, :48], plain, rtol=1e-6, atol=1e-6)
+
+
+def test_loss_is_shifted_cross_entropy(model):
+    ids = ids_batch()
+    labels = ids.clone()
+    labels[:, :10] = -100
+    out = model(ids, labels=labels)
+    manual = F.cross_entropy(out.logits[:, :-1].reshape(-1, 1024), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, manual)
+    assert out.logits.dtype == torch.float32
+
+
+def test_padding_positions_are_excluded_from_the_loss(model):
+    ids = ids_batch(s=32)
+    mask = torch.ones_like(ids)
+    mask[:, 24:] = 0
+    out = model(ids, labels=ids, attention_mask=mask)
+    manual = F.cross_entropy(out.logits[:, :23].reshape(-1, 1024), ids[:, 1:24].reshape(-1))
+    torch.testing.assert_close(out.loss, manual)
+
+
+def test_every_trainable_parameter_gets_a_gradient(v4_tokenizer):
+    model = tiny_model(v4_tokenizer, dtype=torch.bfloat16).train()
+    ids = ids_batch(s=64)
+    model(ids, labels=ids).loss.backward()
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(".indexer." in n for n in frozen), "exactly the indexer is frozen"
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            assert param.grad is None, name
+            continue
+        assert param.grad is not None, f"{name} got no gradient"
+        assert torch.isfinite(param.grad).all(), f"{name} has a non-finite gradient"
+        assert param.grad.abs().sum() > 0, f"{name} got an all-zero gradient"
+    # The window-KV path and the compressors reach the loss only through FP8/FP4 quantize-dequantize.
+    for name in ("layers.0.attn.wkv.weight", "layers.0.attn.kv_norm.weight", "layers.2.attn.compressor.wkv.weight",
+                 "layers.2.attn.compressor.wgate.weight", "layers.5.attn.compressor.wkv.weight"):
+        assert model.get_parameter(name).grad.abs().sum() > 0, name
+
+
+def test_engram_gradients_reach_only_looked_up_rows(v4_tokenizer):
+    model = tiny_model(v4_tokenizer).train()
+    ids = ids_batch(s=32)
+    model(ids, labels=ids).loss.backward()
+    for layer in (1, 4):
+        engram = model.layers[layer].engram
+        rows = engram.hash(ids, None)  # [b, s, cols]
+        used, predicting = (torch.zeros(engram.embed.num_embeddings, dtype=torch.bool) for _ in range(2))
+        used[rows.flatten()] = True
+        predicting[rows[:, :-1].flatten()] = True  # the last position predicts nothing: its rows get no gradient
+        touched = engram.embed.weight.grad.abs().sum(-1) > 0
+        assert not (touched & ~used).any(), f"layer {layer}: rows that were not looked up got gradient"
+        assert not (predicting & ~touched).any(), f"layer {layer}: looked-up rows got no gradient"
+
+
+def test_dtype_contract(v4_tokenizer):
+    model = tiny_model(v4_tokenizer, dtype=torch.bfloat16)
+    fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    fp32 |= {n for n, b in model.named_buffers() if b.dtype == torch.float32}
+    assert "head.weight" in fp32 and "layers.3.attn.attn_sink" in fp32 and "layers.0.ffn.gate.bias" in fp32
+    assert {"layers.0.hc_attn_fn", "layers.0.hc_ffn_base", "layers.8.hc_ffn_scale"} <= fp32
+    assert {"layers.2.attn.compressor.wkv.weight", "layers.2.attn.compressor.wgate.weight"} <= fp32
+    assert model.get_parameter("layers.5.attn.compressor.wkv.weight").dtype == torch.bfloat16, "ratio 1 stays bf16"
+    assert model.get_parameter("layers.0.attn.wq_a.weight").dtype == torch.bfloat16
+    assert model.get_parameter("embed.weight").dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(ids_batch(s=16)).logits.dtype == torch.float32
+
+
+def test_grouped_experts_equal_the_loop(v4_tokenizer):
+    grouped = tiny_model(v4_tokenizer, backend={"experts": "torch_mm"})
+    loop = tiny_model(v4_tokenizer, backend={"experts": "torch"})
+    loop.load_state_dict(grouped.state_dict())
+    ids = ids_batch()
+    out_g, out_l = grouped(ids, labels=ids), loop(ids, labels=ids)
+    torch.testing.assert_close(out_g.logits, out_l.logits, rtol=1e-5, atol=1e-5)
+    out_g.loss.backward()
+    out_l.loss.backward()
+    for name in ("layers.3.ffn.experts.w1", "layers.3.ffn.experts.w2", "layers.3.ffn.experts.w3"):
+        torch.testing.assert_close(grouped.get_parameter(name).grad, loop.get_parameter(name).grad,
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_stacked_experts_have_released_shapes(model):
+    experts = model.layers[0].ffn.experts
+    assert experts.w1.shape == (8, 64, 32) and experts.w3.shape == (8, 64, 32) and experts.w2.shape == (8, 32, 64)
+
+
+def test_full_config_builds_on_meta_with_552b_backbone(v4_tokenizer):
+    from deepseek_v41 import DeepseekV41Config
+
+    config = DeepseekV41Config()
+    assert config.text_config.num_hidden_layers == 40 and config.text_config.n_routed_experts == 384
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(config, tokenizer=v4_tokenizer)
+    counts = {"backbone": 0, "engram_tables": 0, "vision": 0}
+    for name, param in model.named_parameters():
+        assert param.device.type == "meta"
+        if ".engram.embed." in name:
+            counts["engram_tables"] += param.numel()
+        elif name.startswith(("vision.", "aligner.", "image_")):
+            counts["vision"] += param.numel()
+        elif ".engram." not in name:
+            counts["backbone"] += param.numel()
+    print({k: f"{v / 1e9:.3f}B" for k, v in counts.items()})
+    assert abs(counts["backbone"] / 552e9 - 1) < 0.01
+    assert counts["engram_tables"] == (384006168 + 384016682) * 256
+
+
+def test_backend_validation_errors():
+    with pytest.raises(ValueError, match="registered attn backends"):
+        tiny_config(backend={"attn": "flash"})
+    with pytest.raises(ValueError, match="unknown backend kind"):
+        tiny_config(backend={"attention": "torch"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_gpu_backend_on_cpu_names_the_missing_hardware(v4_tokenizer):
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        tiny_model(v4_tokenizer, backend={"attn": "tilelang"})
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        tiny_model(v4_tokenizer, backend={"rms_norm": "te"})
+
+
+def test_rms_norm_backends_agree_in_fp32(v4_tokenizer):
+    a = tiny_model(v4_tokenizer, backend={"rms_norm": "torch_fp32"})
+    b = tiny_model(v4_tokenizer, backend={"rms_norm": "torch"})
+    b.load_state_dict(a.state_dict())
+    ids = ids_batch(s=32)
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-4, atol=1e-4)
