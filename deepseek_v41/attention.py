@@ -168,8 +168,9 @@ class Attention(nn.Module):
             self.compressor = Compressor(config, self.ratio, backend)
         if self.mode in ("full", "reindex"):
             self.indexer = Indexer(config, owns_keys=self.mode == "full", backend=backend)
-        # fp32 [rope_dim / 2]; a plain attribute, not a buffer, so meta-device init leaves nothing to restore
-        self.rope_freqs = layer_rope_frequencies(config, layer)
+        # fp32 [rope_dim / 2] on the host; a plain attribute, not a buffer, so meta-device init has nothing to restore
+        with torch.device("cpu"):
+            self.rope_freqs = layer_rope_frequencies(config, layer)
 
     def forward(self, x: torch.Tensor, state: CSA2State) -> torch.Tensor:
         # x [b, s, dim] (normed attention input) -> [b, s, dim]

@@ -30,12 +30,11 @@ import re
 import shutil
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
@@ -548,6 +547,7 @@ class ReleasedCheckpoint:
             by_file = {SINGLE_FILE: list(read_safetensors_header(index_path))}
         else:
             raise CheckpointError(f"{self.path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+        self.listing = index_path  # the file that lists every tensor (index, or the single shard)
         records = {}
         for file, names in sorted(by_file.items()):
             header = read_safetensors_header(self.path / file)
@@ -642,6 +642,27 @@ class ReleasedCheckpoint:
         stop = max(start, stop)
         data = _read_bytes(record, start * record.row_bytes, (stop - start) * record.row_bytes)
         return data.view(dtype).reshape((stop - start, *record.shape[1:]))
+
+    def row_slices(self, name: str, element_size: int, rows: range | None = None) -> Iterator[slice]:
+        """Row blocks of tensor `name` (within `rows`) whose decoded size is about LOAD_BLOCK_BYTES."""
+        t = self.tensors[name]
+        rows = rows if rows is not None else range(t.shape[0] if t.shape else 1)
+        step = max(1, LOAD_BLOCK_BYTES // max(1, math.prod(t.shape[1:]) * element_size))
+        if t.fmt == "fp8_block":  # whole scale blocks per step: no scale row is read twice
+            step = max(self.block[0], step // self.block[0] * self.block[0])
+        for start in range(rows.start, rows.stop, step):
+            yield slice(start, min(start + step, rows.stop))
+
+    def as_row_blocks(self, name: str, dtype: torch.dtype | None = None) -> RowBlocks:
+        """Tensor `name` decoded to `dtype` lazily, row block by row block (for streaming exports)."""
+        t = self.tensors[name]
+        dtype = dtype or t.dtype
+
+        def blocks() -> Iterator[torch.Tensor]:
+            for block in self.row_slices(name, dtype.itemsize):
+                yield self.decode(name, block, dtype=dtype)
+
+        return RowBlocks(t.shape, dtype, blocks)
 
     def decode(
         self,
@@ -750,11 +771,12 @@ def check_model_config(model: torch.nn.Module, checkpoint: ReleasedCheckpoint) -
         released = checkpoint.config.get(section) or {}
         built = getattr(model_config, section, None)
         for key in keys:
-            if key in released and built is not None and hasattr(built, key):
-                if _plain(getattr(built, key)) != _plain(released[key]):
-                    raise CheckpointError(
-                        f"{checkpoint.path / CONFIG_FILE} has {section}.{key} = {released[key]!r} but the model "
-                        f"was built with {getattr(built, key)!r}: build the model from this checkpoint's config")
+            if key not in released or built is None or not hasattr(built, key):
+                continue
+            if _plain(getattr(built, key)) != _plain(released[key]):
+                raise CheckpointError(
+                    f"{checkpoint.path / CONFIG_FILE} has {section}.{key} = {released[key]!r} but the model "
+                    f"was built with {getattr(built, key)!r}: build the model from this checkpoint's config")
 
 
 @dataclass(frozen=True)
@@ -764,7 +786,12 @@ class _Assignment:
     expert: int | None
 
 
-def _plan(model: torch.nn.Module, checkpoint: ReleasedCheckpoint, strict: bool, report: LoadReport):
+def _plan(
+    model: torch.nn.Module, checkpoint: ReleasedCheckpoint, strict: bool
+) -> tuple[dict[str, torch.Tensor], list[_Assignment], LoadReport]:
+    # Match released names to model tensors and check shapes and dtypes; reads no tensor data.
+    check_model_config(model, checkpoint)
+    report = LoadReport()
     targets = model.state_dict(keep_vars=True)  # parameters + persistent buffers, by model name
     expected = {}
     for target_name, target in targets.items():
@@ -773,43 +800,51 @@ def _plan(model: torch.nn.Module, checkpoint: ReleasedCheckpoint, strict: bool, 
                 expected[model_to_released_name(target_name, expert)] = (target_name, expert)
         else:
             expected[target_name] = (target_name, None)
-    index_file = checkpoint.path / (INDEX_FILE if (checkpoint.path / INDEX_FILE).exists() else SINGLE_FILE)
     missing = sorted(set(expected) - set(checkpoint.tensors))
     if missing:
         if strict:
-            raise CheckpointError(f"tensor {missing[0]!r} expected by the model is missing from {index_file}"
+            raise CheckpointError(f"tensor {missing[0]!r} expected by the model is missing from {checkpoint.listing}"
                                   f"{f' ({len(missing) - 1} more missing)' if len(missing) > 1 else ''}")
-        logger.warning("%d tensors missing from %s (left as initialised): %s", len(missing), index_file, missing)
+        logger.warning("%d tensors missing from %s (left as they are): %s", len(missing), checkpoint.listing, missing)
         report.missing.extend(missing)
     plan = []
     for name, stored in checkpoint.tensors.items():
         if name not in expected:
             if name.startswith(SKIPPED_PREFIXES):
                 report.skipped.append(name)
-                continue
-            if strict:
+            elif strict:
                 raise CheckpointError(f"unexpected tensor {name!r} in {stored.where}: the model has no parameter "
                                       "for it (wrong model class or config?)")
-            report.unexpected.append(name)
+            else:
+                report.unexpected.append(name)
             continue
         target_name, expert = expected[name]
         target = targets[target_name]
         shape = tuple(target.shape[1:] if expert is not None else target.shape)
+        label = f"{target_name!r}" + (f"[{expert}]" if expert is not None else "")
         if stored.shape != shape:
             raise CheckpointError(f"tensor {name!r} in {stored.where} has shape {list(stored.shape)} but model "
-                                  f"parameter {target_name!r}{f'[{expert}]' if expert is not None else ''} "
-                                  f"needs {list(shape)}")
+                                  f"parameter {label} needs {list(shape)}")
         if stored.dtype.is_floating_point != target.dtype.is_floating_point:
             raise CheckpointError(f"tensor {name!r} in {stored.where} has dtype {stored.record.dtype} but model "
-                                  f"parameter {target_name!r} is {target.dtype}: wrong dtype")
-        if target.is_meta:
-            raise CheckpointError(f"model parameter {target_name!r} is on the meta device: call "
-                                  "model.to_empty(device=...) before loading the checkpoint")
+                                  f"parameter {label} is {target.dtype}: wrong dtype")
         plan.append(_Assignment(name, target_name, expert))
     if report.skipped:
-        logger.info("skipped %d released tensors the model does not implement (%s)", len(report.skipped),
-                    ", ".join(sorted({n.split(".")[0] + "." + n.split(".")[1] for n in report.skipped})))
-    return targets, plan
+        logger.info("skipping %d released tensors the model does not implement (DSpark draft stages mtp.*)",
+                    len(report.skipped))
+    return targets, plan, report
+
+
+def check_checkpoint_matches_model(
+    model: torch.nn.Module, checkpoint: str | os.PathLike | ReleasedCheckpoint, *, strict: bool = True
+) -> LoadReport:
+    """Check names, shapes, dtypes and config of a checkpoint against a model without reading tensor data.
+
+    Works on a model built on the meta device. Raises `CheckpointError` naming the tensor and the file.
+    """
+    if not isinstance(checkpoint, ReleasedCheckpoint):
+        checkpoint = ReleasedCheckpoint(checkpoint)
+    return _plan(model, checkpoint, strict)[2]
 
 
 @torch.no_grad()
@@ -820,19 +855,22 @@ def load_checkpoint_into_model(
     strict: bool = True,
     dequantize_base_checkpoint: bool = True,
 ) -> LoadReport:
-    """Stream a released or floating-point checkpoint into `model`'s parameters in place.
+    """Stream a released or floating-point checkpoint into `model`'s parameters and buffers in place.
 
-    Every name, shape and dtype is checked against the model before any data is read. Tensors are then
-    decoded shard by shard, in row blocks, straight into the target's dtype and device, so memory beyond
-    the model stays at a few row blocks. The model may be built on the meta device and `to_empty`'d first.
+    Every name, shape and dtype is checked before any data is read. Tensors are then decoded shard by
+    shard, in row blocks, straight into the target's dtype and device, so memory beyond the model stays
+    at a few row blocks. The model may be built on the meta device and `to_empty`'d first. `mtp.*`
+    (DSpark draft stages) are skipped; with strict=False missing/unexpected tensors are only reported.
     """
     checkpoint = ReleasedCheckpoint(path)
     if checkpoint.is_quantized and not dequantize_base_checkpoint:
         raise NotImplementedError("training on the quantized FP8/FP4 weights is not supported: load with "
                                   "dequantize_base_checkpoint=True (weights are decoded exactly to floating point)")
-    check_model_config(model, checkpoint)
-    report = LoadReport()
-    targets, plan = _plan(model, checkpoint, strict, report)
+    targets, plan, report = _plan(model, checkpoint, strict)
+    for assignment in plan:
+        if targets[assignment.target_name].is_meta:
+            raise CheckpointError(f"model parameter {assignment.target_name!r} is on the meta device: call "
+                                  "model.to_empty(device=...) before loading the checkpoint")
     by_file = defaultdict(list)
     for assignment in plan:
         by_file[checkpoint.tensors[assignment.released].record.file].append(assignment)
@@ -846,20 +884,15 @@ def load_checkpoint_into_model(
 
 
 def _load_one(checkpoint: ReleasedCheckpoint, name: str, target: torch.Tensor) -> None:
-    # decode `name` in row blocks of ~LOAD_BLOCK_BYTES straight into the target's dtype and device
-    stored = checkpoint.tensors[name]
+    # decode `name` in row blocks straight into the target's dtype and device
     rows = local_row_range(target)
-    row_bytes = max(1, math.prod(stored.shape[1:]) * target.element_size())
-    step = max(1, LOAD_BLOCK_BYTES // row_bytes)
-    if stored.fmt == "fp8_block":  # whole scale blocks per step: no scale row is read twice
-        step = max(checkpoint.block[0], step // checkpoint.block[0] * checkpoint.block[0])
     direct = not _is_dtensor(target) and target.is_contiguous()
-    for start in range(rows.start, rows.stop, step):
-        block = slice(start, min(start + step, rows.stop))
-        if direct:  # fast path for plain tensors: decode into the parameter's memory
+    for block in checkpoint.row_slices(name, target.element_size(), rows):
+        if direct:  # plain tensors: decode into the parameter's own memory
             checkpoint.decode(name, block, out=target[block] if target.dim() else target)
         else:
-            copy_rows_into(target, start, checkpoint.decode(name, block, dtype=target.dtype, device=target.device))
+            decoded = checkpoint.decode(name, block, dtype=target.dtype, device=target.device)
+            copy_rows_into(target, block.start, decoded)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -867,24 +900,73 @@ def _load_one(checkpoint: ReleasedCheckpoint, name: str, target: torch.Tensor) -
 # ----------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RowBlocks:
+    """A tensor produced on demand as consecutive row blocks (for writing tensors larger than memory)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    blocks: Callable[[], Iterable[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+_TORCH_TO_SAFETENSORS = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def _as_row_blocks(value: torch.Tensor | RowBlocks) -> RowBlocks:
+    if isinstance(value, RowBlocks):
+        return value
+    tensor = value.detach()
+    return RowBlocks(tuple(tensor.shape), tensor.dtype, lambda: (tensor,))
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | RowBlocks]) -> None:
+    """Write a safetensors file, streaming `RowBlocks` so no tensor needs to be whole in memory."""
+    entries = {name: _as_row_blocks(value) for name, value in tensors.items()}
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, entry in entries.items():
+        if entry.dtype not in _TORCH_TO_SAFETENSORS:
+            raise TypeError(f"tensor {name!r}: dtype {entry.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _TORCH_TO_SAFETENSORS[entry.dtype], "shape": list(entry.shape),
+                        "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as handle:
+        handle.write(len(raw).to_bytes(8, "little") + raw)
+        for name, entry in entries.items():
+            written = 0
+            for block in entry.blocks():
+                data = block.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                handle.write(memoryview(data.numpy()))
+                written += data.numel()
+            if written != entry.nbytes:
+                raise ValueError(f"tensor {name!r}: its row blocks hold {written} bytes, its shape {entry.nbytes}")
+
+
 def _shard_name(index: int, total: int) -> str:
     return f"model-{index:05d}-of-{total:05d}.safetensors"
 
 
 def save_floating_point_checkpoint(
-    state_items: Iterable[tuple[str, torch.Tensor]],
+    state_items: Iterable[tuple[str, torch.Tensor | RowBlocks]],
     out_dir: str | os.PathLike,
     config_dict: dict,
     remote_code_files: Iterable[str | os.PathLike] = (),
     max_shard_bytes: int = 5 << 30,
 ) -> dict[str, str]:
-    """Write a floating-point checkpoint with released names; returns its weight map.
+    """Write a floating-point checkpoint with released names; returns its weight map (name -> shard).
 
-    `state_items` yields (model or released name, full tensor), e.g. `model.state_dict().items()`; stacked
-    experts are written per expert (`...experts.{e}.w1.weight`). Dtypes are kept (fp32 stays fp32).
-    `config.json` is written without `quantization_config`; `remote_code_files` (the modeling `.py` files,
-    tokenizer files) are copied as they are. Everything goes to a temporary sibling directory that replaces
-    `out_dir` only once complete: on any failure `out_dir` is untouched and nothing is left behind.
+    `state_items` yields (model or released name, full tensor or `RowBlocks`), e.g.
+    `model.state_dict().items()`; stacked experts [E, ...] are written per expert
+    (`...experts.{e}.w1.weight`). Dtypes are kept (fp32 stays fp32). `config.json` is written without
+    `quantization_config`; `remote_code_files` (the modeling `.py` files, tokenizer files) are copied as
+    they are. Everything goes to a temporary sibling directory that replaces `out_dir` only once complete:
+    on any failure `out_dir` is untouched and nothing is left behind.
     """
     out_dir = Path(out_dir)
     files = [Path(f) for f in remote_code_files]
@@ -911,36 +993,41 @@ def save_floating_point_checkpoint(
     return weight_map
 
 
-def _write_shards(items, staging: Path, max_shard_bytes: int) -> tuple[dict[str, str], int]:
-    written: list[tuple[Path, list[str]]] = []
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = total_size = 0
-
-    def flush():
-        nonlocal pending, pending_bytes
-        if pending:
-            path = staging / f"shard-{len(written):05d}.partial"
-            save_file(pending, path, metadata={"format": "pt"})
-            written.append((path, list(pending)))
-            pending, pending_bytes = {}, 0
-
+def _export_items(state_items) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
+    # released names, stacked experts split, quantized dtypes refused, each name once
     seen = set()
-    for model_name, tensor in items:
-        for name, value in released_items(model_name, tensor):
-            if value.dtype in _QUANTIZED_TORCH_DTYPES:
-                raise NotImplementedError(f"tensor {name!r} is {value.dtype}: re-exporting quantized weights is "
+    for model_name, value in state_items:
+        split = released_items(model_name, value) if isinstance(value, torch.Tensor) else [(model_name, value)]
+        for name, item in split:
+            if item.dtype in _QUANTIZED_TORCH_DTYPES:
+                raise NotImplementedError(f"tensor {name!r} is {item.dtype}: re-exporting quantized weights is "
                                           "not supported; export floating-point parameters")
             if name in seen:
                 raise ValueError(f"tensor {name!r} is given twice")
             seen.add(name)
-            value = value.detach().to("cpu").contiguous()
-            nbytes = value.numel() * value.element_size()
-            if pending and pending_bytes + nbytes > max_shard_bytes:
-                flush()
-            pending[name] = value
-            pending_bytes += nbytes
-            total_size += nbytes
-    flush()
+            yield name, item
+
+
+def _write_shards(state_items, staging: Path, max_shard_bytes: int) -> tuple[dict[str, str], int]:
+    written: list[tuple[Path, list[str]]] = []
+    pending: dict[str, torch.Tensor | RowBlocks] = {}
+    pending_bytes = total_size = 0
+
+    def flush():
+        path = staging / f"shard-{len(written):05d}.partial"
+        write_safetensors(path, pending)
+        written.append((path, list(pending)))
+
+    for name, value in _export_items(state_items):
+        nbytes = _as_row_blocks(value).nbytes
+        if pending and pending_bytes + nbytes > max_shard_bytes:
+            flush()
+            pending, pending_bytes = {}, 0
+        pending[name] = value
+        pending_bytes += nbytes
+        total_size += nbytes
+    if pending or not written:
+        flush()
     weight_map = {}
     for index, (path, names) in enumerate(written, start=1):
         final = _shard_name(index, len(written))

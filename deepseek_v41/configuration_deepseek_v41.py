@@ -6,6 +6,8 @@ released ``quantization_config`` is kept untouched on the outer config; ``config
 kernel-backend strings (see ``backends.py``).
 """
 
+import warnings
+
 from transformers import PretrainedConfig
 
 from .backends import resolve_backend
@@ -101,10 +103,13 @@ class DeepseekV41TextConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
         self.compress_rope_theta = compress_rope_theta
-        self.rope_scaling = rope_scaling if rope_scaling is not None else {
+        rope_scaling = rope_scaling or kwargs.pop("rope_parameters", None) or {
             "rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
             "original_max_position_embeddings": 65536,
         }
+        with warnings.catch_warnings():  # transformers >= 5.2x aliases rope_scaling to rope_parameters, with a warning
+            warnings.simplefilter("ignore", FutureWarning)
+            self.rope_scaling = rope_scaling
         self.n_routed_experts = n_routed_experts
         self.n_shared_experts = n_shared_experts
         self.num_experts_per_tok = num_experts_per_tok

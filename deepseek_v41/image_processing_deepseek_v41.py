@@ -15,6 +15,7 @@ Outputs ``pixel_values`` [all patches, 3, p, p] (BF16) and ``image_grid_hws`` [n
 """
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -55,21 +56,29 @@ def _shrink_box(height, width, patch_size, downsample_ratio, max_image_tokens):
     if max_h < 1.0:  # single row: n_w + 3 <= max
         return cell, (max_image_tokens - 3) * cell
     beta = min(math.floor(max_w) * cell / width, math.floor(max_h) * cell / height)
-    return math.floor(height * beta / patch_size) * patch_size, math.floor(width * beta / patch_size) * patch_size
+    box_h = math.floor(height * beta / patch_size) * patch_size
+    return box_h, math.floor(width * beta / patch_size) * patch_size
 
 
-def plan_image_box(width, height, patch_size, downsample_ratio, max_image_tokens, min_pixels, max_wh_ratio=None):
-    """Pixel box ``(box_h, box_w)`` an image of ``width x height`` is fitted into; both multiples of patch_size."""
+def plan_image_box(
+    width, height, patch_size, downsample_ratio, max_image_tokens, min_pixels, max_wh_ratio=None
+):
+    """Pixel box ``(box_h, box_w)`` an image of ``width x height`` is fitted into (multiples of patch_size)."""
     if max_wh_ratio is not None and width > height * max_wh_ratio:
         width = height * max_wh_ratio
     if 0 < width * height < min_pixels:
         scale = (min_pixels / (width * height)) ** 0.5
         width, height = int(width * scale), int(height * scale)
     box_h, box_w = math.ceil(height / patch_size) * patch_size, math.ceil(width / patch_size) * patch_size
-    if image_span_length(*llm_grid(box_h // patch_size, box_w // patch_size, downsample_ratio)) > max_image_tokens:
+    if (
+        image_span_length(*llm_grid(box_h // patch_size, box_w // patch_size, downsample_ratio))
+        > max_image_tokens
+    ):
         box_h, box_w = _shrink_box(height, width, patch_size, downsample_ratio, max_image_tokens)
     if box_h < patch_size or box_w < patch_size:
-        raise ValueError(f"a {width}x{height} image plans to an empty {box_w}x{box_h} box; check the vision config")
+        raise ValueError(
+            f"a {width}x{height} image plans to an empty {box_w}x{box_h} box; check the vision config"
+        )
     return box_h, box_w
 
 
@@ -82,15 +91,15 @@ class DeepseekV41ImageProcessor(PilBackend):
     do_rescale = True
     rescale_factor = 1 / 255
     do_normalize = True
-    image_mean = [0.5, 0.5, 0.5]
-    image_std = [0.5, 0.5, 0.5]
+    image_mean = (0.5, 0.5, 0.5)
+    image_std = (0.5, 0.5, 0.5)
     patch_size = 14
     downsample_ratio = 3
     max_image_tokens = 1024
     min_pixels = 295936
     max_wh_ratio = None
     valid_kwargs = DeepseekV41ImageProcessorKwargs
-    model_input_names = ["pixel_values", "image_grid_hws"]
+    model_input_names: ClassVar[list[str]] = ["pixel_values", "image_grid_hws"]
 
     def __init__(self, **kwargs: Unpack[DeepseekV41ImageProcessorKwargs]):
         super().__init__(**kwargs)
@@ -101,7 +110,7 @@ class DeepseekV41ImageProcessor(PilBackend):
         return cls(**{name: getattr(vision_config, name) for name in PLAN_FIELDS}, **kwargs)
 
     def convert_to_rgb(self, image, input_data_format=None):
-        # PIL's own conversion, as the official loader: RGBA drops alpha, L/P expand to RGB. Arrays: base class.
+        # PIL's own conversion, as the official loader: RGBA drops alpha, L/P expand. Arrays: base class.
         if isinstance(image, Image.Image):
             return np.array(image.convert("RGB"))
         return super().convert_to_rgb(image, input_data_format=input_data_format)
@@ -131,19 +140,27 @@ class DeepseekV41ImageProcessor(PilBackend):
     ):
         # images: list of channels-first arrays [3, H, W] (uint8) from PilBackend.process_image
         if return_tensors not in (None, "pt"):
-            raise ValueError(f"pixel_values are BF16 torch tensors; return_tensors={return_tensors!r} is not supported")
+            raise ValueError(
+                f"pixel_values are BF16 torch tensors; return_tensors={return_tensors!r} is not supported"
+            )
         mean = torch.tensor(image_mean, dtype=torch.float32).view(-1, 1, 1)
         std = torch.tensor(image_std, dtype=torch.float32).view(-1, 1, 1)
         patches, grids = [], []
         for array in images:
             if array.dtype != np.uint8 or array.shape[0] != 3:
                 raise ValueError(
-                    f"expected an RGB uint8 image, got an array of dtype {array.dtype} and shape {array.shape}; "
-                    "pass PIL images or uint8 arrays"
+                    f"expected an RGB uint8 image, got an array of dtype {array.dtype} and shape "
+                    f"{array.shape}; pass PIL images or uint8 arrays"
                 )
             image = Image.fromarray(np.ascontiguousarray(array.transpose(1, 2, 0)))
             box_h, box_w = plan_image_box(
-                image.width, image.height, patch_size, downsample_ratio, max_image_tokens, min_pixels, max_wh_ratio
+                image.width,
+                image.height,
+                patch_size,
+                downsample_ratio,
+                max_image_tokens,
+                min_pixels,
+                max_wh_ratio,
             )
             if max_wh_ratio is not None and image.width >= max_wh_ratio * image.height:
                 image = image.resize((box_w, box_h), resample=resample)
@@ -159,7 +176,9 @@ class DeepseekV41ImageProcessor(PilBackend):
             patches.append(x.permute(1, 3, 0, 2, 4).reshape(n_h * n_w, 3, patch_size, patch_size))
             grids.append([n_h, n_w])
         data = {
-            "pixel_values": torch.cat(patches) if patches else torch.empty(0, 3, patch_size, patch_size).bfloat16(),
+            "pixel_values": torch.cat(patches)
+            if patches
+            else torch.empty(0, 3, patch_size, patch_size).bfloat16(),
             "image_grid_hws": torch.tensor(grids, dtype=torch.long).reshape(-1, 2),
         }
         return BatchFeature(data=data)

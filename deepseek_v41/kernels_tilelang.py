@@ -163,6 +163,167 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, sta
     return attn_fwd
 
 
+def _build_attn_fwd_ws(batch, seq, n_kv, heads, dim, slots, scale):
+    # Warp-specialised forward, same contract as _build_attn_fwd (slots % 128 == 0).
+    # 384 threads: warpgroup 0 runs QKᵀ, the softmax and P·V for the left half of d; warpgroup 1
+    # runs P·V for the right half; warpgroup 2 gathers the next rows into two shared-memory stages,
+    # so the gather, QKᵀ(i+1) and P·V(i) overlap.
+    HB, BI = HEADS_PER_BLOCK, SLOTS_PER_BLOCK
+    half = dim // 2
+    n_hblk, n_pairs = heads // HB, slots // (2 * BI)
+    c = scale * LOG2E
+    bf16, f32 = "bfloat16", "float32"
+
+    @T.macro
+    def gather(KV, idx_s, kv_l, kv_r, bz, blk, t):
+        # 128 producer threads, 64 per row (16 bytes each), two rows per pass; cp.async into the stage
+        for u in T.unroll(BI // 2):
+            r = u * 2 + t // 64
+            row = T.max(idx_s[blk * BI + r], 0)
+            ch = t % 64
+            if ch < 32:
+                T.ptx_cp_async(T.access_ptr(kv_l[r, ch * 8], "w", 8), T.access_ptr(KV[bz, row, ch * 8], "r", 8), 8)
+            else:
+                T.ptx_cp_async(
+                    T.access_ptr(kv_r[r, (ch - 32) * 8], "w", 8), T.access_ptr(KV[bz, row, ch * 8], "r", 8), 8
+                )
+
+    @T.macro
+    def softmax_step(q_l, q_r, kv_l, kv_r, p_s, alpha_s, idx_s, blk, acc_s, acc_o, m, m_prev, l, l_blk,
+                     alpha, ready, free, p_ready, p_free, st, par):
+        # warpgroup 0, one block of slots: S = Q Kᵀ, online softmax, P·V (left half)
+        T.barrier_wait(ready[st], par)
+        for h, r in T.Parallel(HB, BI):
+            acc_s[h, r] = T.if_then_else(idx_s[blk * BI + r] >= 0, 0, -T.infinity(f32))
+        T.gemm(q_l, kv_l, acc_s, transpose_B=True)
+        T.gemm(q_r, kv_r, acc_s, transpose_B=True)
+        T.copy(m, m_prev)
+        T.reduce_max(acc_s, m, dim=1, clear=False)
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
+        for h, r in T.Parallel(HB, BI):
+            acc_s[h, r] = T.exp2(acc_s[h, r] * c - m[h] * c)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(HB):
+            l[h] = l[h] * alpha[h] + l_blk[h]
+        for h, d in T.Parallel(HB, half):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        if blk > 0:
+            T.barrier_wait(p_free, (blk - 1) & 1)  # warpgroup 1 has read P(blk - 1)
+        T.copy(acc_s, p_s)
+        T.copy(alpha, alpha_s)
+        T.fence_proxy_async()
+        T.barrier_arrive(p_ready)
+        T.gemm(p_s, kv_l, acc_o)
+        T.barrier_arrive(free[st])
+
+    @T.macro
+    def right_step(kv_r, p_s, alpha_s, acc_o, free, p_ready, p_free, st, blk):
+        # warpgroup 1: rescale and P·V for the right half
+        T.barrier_wait(p_ready, blk & 1)
+        for h, d in T.Parallel(HB, half):
+            acc_o[h, d] = acc_o[h, d] * alpha_s[h]
+        T.gemm(p_s, kv_r, acc_o)
+        T.barrier_arrive(p_free)
+        T.barrier_arrive(free[st])
+
+    @T.macro
+    def fill_stage(KV, idx_s, kv_l, kv_r, ready, free, bz, blk, t, st, par):
+        T.barrier_wait(free[st], par ^ 1)
+        gather(KV, idx_s, kv_l, kv_r, bz, blk, t)
+        T.ptx_commit_group()
+        T.ptx_wait_group(0)
+        T.fence_proxy_async()  # the rows are read by wgmma (async proxy) next
+        T.barrier_arrive(ready[st])
+
+    @T.prim_func
+    def attn_fwd_ws(
+        Q: T.Tensor([batch, seq, heads, dim], bf16),
+        KV: T.Tensor([batch, n_kv, dim], bf16),
+        Idx: T.Tensor([batch, seq, slots], "int32"),
+        Sink2: T.Tensor([heads], f32),
+        O: T.Tensor([batch, seq, heads, dim], bf16),
+        Lse2: T.Tensor([batch, seq, heads], f32),
+    ):
+        with T.Kernel(seq * n_hblk, batch, threads=384) as (bx, bz):
+            s_i = bx // n_hblk
+            h0 = (bx % n_hblk) * HB
+            q_l = T.alloc_shared([HB, half], bf16)
+            q_r = T.alloc_shared([HB, half], bf16)
+            kv0_l = T.alloc_shared([BI, half], bf16)
+            kv0_r = T.alloc_shared([BI, half], bf16)
+            kv1_l = T.alloc_shared([BI, half], bf16)
+            kv1_r = T.alloc_shared([BI, half], bf16)
+            p_s = T.alloc_shared([HB, BI], bf16)
+            idx_s = T.alloc_shared([slots], "int32")
+            alpha_s = T.alloc_shared([HB], f32)  # per-step rescale of the right half; final 1/l at the end
+            ready = T.alloc_barrier([128, 128])  # stage filled (producer threads)
+            free = T.alloc_barrier([256, 256])  # stage consumed (both consumer warpgroups)
+            p_ready = T.alloc_barrier(128)  # P and alpha written (warpgroup 0)
+            p_free = T.alloc_barrier(128)  # P read (warpgroup 1)
+            fin = T.alloc_barrier(128)  # final normaliser written (warpgroup 0)
+
+            acc_o_l = T.alloc_fragment([HB, half], f32)
+            acc_o_r = T.alloc_fragment([HB, half], f32)
+            acc_s = T.alloc_fragment([HB, BI], f32)
+            m = T.alloc_fragment([HB], f32)
+            m_prev = T.alloc_fragment([HB], f32)
+            l = T.alloc_fragment([HB], f32)
+            l_blk = T.alloc_fragment([HB], f32)
+            alpha = T.alloc_fragment([HB], f32)
+            lse = T.alloc_fragment([HB], f32)
+
+            tx = T.get_thread_binding()
+            T.copy(Q[bz, s_i, h0 : h0 + HB, 0:half], q_l)
+            T.copy(Q[bz, s_i, h0 : h0 + HB, half:dim], q_r)
+            T.copy(Idx[bz, s_i, :], idx_s)
+            T.sync_threads()
+
+            if tx < 128:
+                T.set_max_nreg(240, 1)
+                T.fill(acc_o_l, 0)
+                T.fill(l, 0)
+                T.fill(m, -1.0e30)
+                for j in T.serial(n_pairs):
+                    softmax_step(q_l, q_r, kv0_l, kv0_r, p_s, alpha_s, idx_s, j * 2, acc_s, acc_o_l, m,
+                                 m_prev, l, l_blk, alpha, ready, free, p_ready, p_free, 0, j & 1)
+                    softmax_step(q_l, q_r, kv1_l, kv1_r, p_s, alpha_s, idx_s, j * 2 + 1, acc_s, acc_o_l, m,
+                                 m_prev, l, l_blk, alpha, ready, free, p_ready, p_free, 1, j & 1)
+                # sink in the denominator; hand 1/l to warpgroup 1 once it has read the last P
+                for h in T.Parallel(HB):
+                    lse[h] = T.max(m[h] * c, Sink2[h0 + h])
+                    alpha[h] = T.exp2(m[h] * c - lse[h])
+                    l[h] = l[h] * alpha[h] + T.exp2(Sink2[h0 + h] - lse[h])
+                    alpha[h] = alpha[h] / l[h]
+                    lse[h] = lse[h] + T.log2(l[h])
+                T.barrier_wait(p_free, (n_pairs * 2 - 1) & 1)
+                T.copy(alpha, alpha_s)
+                T.barrier_arrive(fin)
+                for h, d in T.Parallel(HB, half):
+                    acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
+                T.copy(acc_o_l, q_l)
+                T.copy(q_l, O[bz, s_i, h0 : h0 + HB, 0:half])
+                T.copy(lse, Lse2[bz, s_i, h0 : h0 + HB])
+            elif tx < 256:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_o_r, 0)
+                for j in T.serial(n_pairs):
+                    right_step(kv0_r, p_s, alpha_s, acc_o_r, free, p_ready, p_free, 0, j * 2)
+                    right_step(kv1_r, p_s, alpha_s, acc_o_r, free, p_ready, p_free, 1, j * 2 + 1)
+                T.barrier_wait(fin, 0)
+                for h, d in T.Parallel(HB, half):
+                    acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
+                T.copy(acc_o_r, q_r)  # warpgroup 0 read q_r for the last time before arriving at fin
+                T.copy(q_r, O[bz, s_i, h0 : h0 + HB, half:dim])
+            else:
+                T.set_max_nreg(80, 0)
+                for j in T.serial(n_pairs):
+                    fill_stage(KV, idx_s, kv0_l, kv0_r, ready, free, bz, j * 2, tx - 256, 0, j & 1)
+                    fill_stage(KV, idx_s, kv1_l, kv1_r, ready, free, bz, j * 2 + 1, tx - 256, 1, j & 1)
+
+    return attn_fwd_ws
+
+
 def _build_attn_bwd(batch, seq, n_kv, heads, dim, slots, scale, block=32, threads=256, stages=2):
     # Q, dO [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Lse2, Delta [b, s, H] fp32
     # -> dQ [b, s, H, d] bf16, dKV [b, n, d] fp32 (zero-initialised; accumulated with atomics)
@@ -231,8 +392,103 @@ def _build_attn_bwd(batch, seq, n_kv, heads, dim, slots, scale, block=32, thread
     return attn_bwd
 
 
-def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=128, threads=256, stages=2):
-    # Qi [b, s, H, D] bf16, W [b, s, H] fp32, K [b, T, D] bf16 -> Score [b, s, T] fp32
+def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, threads=256, stages=1):
+    # First half of the split backward: dKV and dS, no dQ (so no [64, d] accumulator competes
+    # for registers).  Same inputs as _build_attn_bwd -> dS [b, s, H, k] bf16 (already times
+    # the softmax scale), dKV [b, n, d] fp32 accumulated with atomics.
+    HB, BI = HEADS_PER_BLOCK, block
+    n_hblk, n_steps = heads // HB, slots // BI
+    c = scale * LOG2E
+    bf16, f32 = "bfloat16", "float32"
+
+    @T.prim_func
+    def attn_bwd_kv(
+        Q: T.Tensor([batch, seq, heads, dim], bf16),
+        KV: T.Tensor([batch, n_kv, dim], bf16),
+        dO: T.Tensor([batch, seq, heads, dim], bf16),
+        Idx: T.Tensor([batch, seq, slots], "int32"),
+        Lse2: T.Tensor([batch, seq, heads], f32),
+        Delta: T.Tensor([batch, seq, heads], f32),
+        dS: T.Tensor([batch, seq, heads, slots], bf16),
+        dKV: T.Tensor([batch, n_kv, dim], f32),
+    ):
+        with T.Kernel(seq * n_hblk, batch, threads=threads) as (bx, bz):
+            s_i = bx // n_hblk
+            h0 = (bx % n_hblk) * HB
+            q_s = T.alloc_shared([HB, dim], bf16)
+            do_s = T.alloc_shared([HB, dim], bf16)
+            kv_s = T.alloc_shared([BI, dim], bf16)
+            p_s = T.alloc_shared([HB, BI], bf16)
+            ds_s = T.alloc_shared([HB, BI], bf16)
+            idx_s = T.alloc_shared([slots], "int32")
+            acc_s = T.alloc_fragment([HB, BI], f32)
+            acc_dp = T.alloc_fragment([HB, BI], f32)
+            acc_dkv = T.alloc_fragment([BI, dim], f32)
+            lse = T.alloc_fragment([HB], f32)
+            delta = T.alloc_fragment([HB], f32)
+
+            T.copy(Q[bz, s_i, h0 : h0 + HB, :], q_s)
+            T.copy(dO[bz, s_i, h0 : h0 + HB, :], do_s)
+            T.copy(Idx[bz, s_i, :], idx_s)
+            T.copy(Lse2[bz, s_i, h0 : h0 + HB], lse)
+            T.copy(Delta[bz, s_i, h0 : h0 + HB], delta)
+
+            for it in T.Pipelined(n_steps, num_stages=stages):
+                for r, d in T.Parallel(BI, dim):
+                    kv_s[r, d] = KV[bz, T.max(idx_s[it * BI + r], 0), d]
+                T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                for h, r in T.Parallel(HB, BI):
+                    acc_s[h, r] = T.if_then_else(idx_s[it * BI + r] >= 0, T.exp2(acc_s[h, r] * c - lse[h]), 0)
+                for h, r in T.Parallel(HB, BI):
+                    acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale
+                T.copy(acc_s, p_s)
+                T.copy(acc_dp, ds_s)
+                T.copy(ds_s, dS[bz, s_i, h0 : h0 + HB, it * BI : it * BI + BI])
+                T.gemm(ds_s, q_s, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                for r, d in T.Parallel(BI, dim):
+                    if idx_s[it * BI + r] >= 0:
+                        T.atomic_add(dKV[bz, idx_s[it * BI + r], d], acc_dkv[r, d])
+
+    return attn_bwd_kv
+
+
+def _build_attn_bwd_q(batch, seq, n_kv, heads, dim, slots, threads=256, stages=2):
+    # Second half of the split backward: dQ = dS · K over the gathered rows (dS already scaled).
+    HB, BI = HEADS_PER_BLOCK, SLOTS_PER_BLOCK
+    n_hblk, n_steps = heads // HB, slots // BI
+    bf16, f32 = "bfloat16", "float32"
+
+    @T.prim_func
+    def attn_bwd_q(
+        KV: T.Tensor([batch, n_kv, dim], bf16),
+        Idx: T.Tensor([batch, seq, slots], "int32"),
+        dS: T.Tensor([batch, seq, heads, slots], bf16),
+        dQ: T.Tensor([batch, seq, heads, dim], bf16),
+    ):
+        with T.Kernel(seq * n_hblk, batch, threads=threads) as (bx, bz):
+            s_i = bx // n_hblk
+            h0 = (bx % n_hblk) * HB
+            kv_s = T.alloc_shared([BI, dim], bf16)
+            ds_s = T.alloc_shared([HB, BI], bf16)
+            o_s = T.alloc_shared([HB, dim], bf16)
+            acc_dq = T.alloc_fragment([HB, dim], f32)
+            T.fill(acc_dq, 0)
+            for it in T.Pipelined(n_steps, num_stages=stages):
+                for r, d in T.Parallel(BI, dim):
+                    kv_s[r, d] = KV[bz, T.max(Idx[bz, s_i, it * BI + r], 0), d]
+                T.copy(dS[bz, s_i, h0 : h0 + HB, it * BI : it * BI + BI], ds_s)
+                T.gemm(ds_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+            T.copy(acc_dq, o_s)
+            T.copy(o_s, dQ[bz, s_i, h0 : h0 + HB, :])
+
+    return attn_bwd_q
+
+
+def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, tiles=8, threads=256):
+    # Qi [b, s, H, D] bf16, W [b, s, H] fp32, K [b, T, D] bf16 -> Score [b, s, T] fp32.
+    # A block holds block_q queries (block_q·H rows of Qi) and walks `tiles` key tiles of block_t.
     BQ, BT = block_q, block_t
     M = BQ * heads
     bf16, f32 = "bfloat16", "float32"
@@ -244,7 +500,7 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=128,
         K: T.Tensor([batch, n_idx, dim], bf16),
         Score: T.Tensor([batch, seq, n_idx], f32),
     ):
-        with T.Kernel(T.ceildiv(n_idx, BT), T.ceildiv(seq, BQ), batch, threads=threads) as (bt, bq, bz):
+        with T.Kernel(T.ceildiv(n_idx, BT * tiles), T.ceildiv(seq, BQ), batch, threads=threads) as (bt, bq, bz):
             q_s = T.alloc_shared([M, dim], bf16)
             k_s = T.alloc_shared([BT, dim], bf16)
             w_s = T.alloc_shared([M], f32)
@@ -252,30 +508,215 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=128,
             acc = T.alloc_fragment([M, BT], f32)
             out = T.alloc_fragment([BQ, BT], f32)
             i0 = bq * BQ
-            t0 = bt * BT
-            # last query of the block sees entries t < (i0 + BQ) // ratio: skip fully hidden tiles
-            if t0 < (i0 + BQ) // ratio:
-                for m_, d in T.Parallel(M, dim):
-                    q_s[m_, d] = T.if_then_else(i0 + m_ // heads < seq, Qi[bz, i0 + m_ // heads, m_ % heads, d], 0)
-                for m_ in T.Parallel(M):
-                    w_s[m_] = T.if_then_else(i0 + m_ // heads < seq, W[bz, i0 + m_ // heads, m_ % heads], 0)
-                for t, d in T.Parallel(BT, dim):
-                    k_s[t, d] = T.if_then_else(t0 + t < n_idx, K[bz, t0 + t, d], 0)
-                T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                for m_, t in T.Parallel(M, BT):
-                    r_s[m_, t] = T.max(acc[m_, t], 0) * w_s[m_]
-                T.clear(out)
-                for i, t in T.Parallel(BQ, BT):
-                    for h in T.serial(heads):
-                        out[i, t] += r_s[i * heads + h, t]
-                for i, t in T.Parallel(BQ, BT):
-                    if i0 + i < seq and t0 + t < n_idx:
-                        Score[bz, i0 + i, t0 + t] = T.if_then_else(
-                            t0 + t < (i0 + i + 1) // ratio, out[i, t], -T.infinity(f32)
-                        )
-            else:
-                for i, t in T.Parallel(BQ, BT):
-                    if i0 + i < seq and t0 + t < n_idx:
-                        Score[bz, i0 + i, t0 + t] = -T.infinity(f32)
+            visible = (i0 + BQ) // ratio  # the block's last query sees entries t < visible
+            for m_, d in T.Parallel(M, dim):
+                q_s[m_, d] = T.if_then_else(i0 + m_ // heads < seq, Qi[bz, i0 + m_ // heads, m_ % heads, d], 0)
+            for m_ in T.Parallel(M):
+                w_s[m_] = T.if_then_else(i0 + m_ // heads < seq, W[bz, i0 + m_ // heads, m_ % heads], 0)
+            for tt in T.serial(tiles):
+                t0 = (bt * tiles + tt) * BT
+                if t0 < visible:
+                    for t, d in T.Parallel(BT, dim):
+                        k_s[t, d] = T.if_then_else(t0 + t < n_idx, K[bz, t0 + t, d], 0)
+                    T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                    for m_, t in T.Parallel(M, BT):
+                        r_s[m_, t] = T.max(acc[m_, t], 0) * w_s[m_]
+                    T.clear(out)
+                    for i, t in T.Parallel(BQ, BT):
+                        for h in T.serial(heads):
+                            out[i, t] += r_s[i * heads + h, t]
+                    for i, t in T.Parallel(BQ, BT):
+                        if i0 + i < seq and t0 + t < n_idx:
+                            Score[bz, i0 + i, t0 + t] = T.if_then_else(
+                                t0 + t < (i0 + i + 1) // ratio, out[i, t], -T.infinity(f32)
+                            )
+                else:
+                    for i, t in T.Parallel(BQ, BT):
+                        if i0 + i < seq and t0 + t < n_idx:
+                            Score[bz, i0 + i, t0 + t] = -T.infinity(f32)
 
     return indexer
+
+
+# ----------------------------------------------------------------------------------------------
+# Compilation cache and launchers
+# ----------------------------------------------------------------------------------------------
+
+# Kernel variants: "ws" = warp-specialised forward, "simple" = compiler-pipelined forward;
+# backward "split" = dKV/dS kernel then dQ kernel, "fused" = one kernel with dQ in registers.
+FWD_VARIANT = "ws"
+BWD_VARIANT = "split"
+SLOT_MULTIPLE = 128  # idx is padded with -1 to this multiple (the "ws" forward walks pairs of 64)
+
+
+def _compile(program):
+    return tilelang.compile(program, target="cuda", pass_configs=_PASS_CONFIGS)
+
+
+def _device_key(t: torch.Tensor):
+    return (t.device.type, t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def _attn_kernels(b, s, n, h, d, k, scale, device, fwd=None, bwd=None):
+    """(forward kernel, list of backward kernels) for one shape, built once per process."""
+    fwd, bwd = fwd or FWD_VARIANT, bwd or BWD_VARIANT
+    shape = (b, s, n, h, d, k, float(scale))
+    base = ("attn", shape, "bfloat16", device)
+    builders = {
+        "ws": lambda: _build_attn_fwd_ws(*shape),
+        "simple": lambda: _build_attn_fwd(*shape),
+    }
+    f = _cached(base + ("fwd", fwd), lambda: _compile(builders[fwd]()))
+    if bwd == "split":
+        bs = [
+            _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape))),
+            _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6]))),
+        ]
+    else:
+        bs = [_cached(base + ("bwd_fused",), lambda: _compile(_build_attn_bwd(*shape)))]
+    return f, bs
+
+
+def _pad_heads(x: torch.Tensor, heads_padded: int) -> torch.Tensor:
+    # x [b, s, h, ...] -> [b, s, heads_padded, ...] with zero heads (exact: see module docstring)
+    if x.shape[2] == heads_padded:
+        return x.contiguous()
+    pad = x.new_zeros(x.shape[:2] + (heads_padded - x.shape[2],) + x.shape[3:])
+    return torch.cat([x, pad], dim=2).contiguous()
+
+
+def _check_attn_inputs(q, kv, sink, idx):
+    if q.dim() != 4 or kv.dim() != 3 or idx.dim() != 3 or sink.dim() != 1:
+        raise ValueError(
+            "sparse_attention_tilelang expects q [b, s, h, d], kv [b, n, d], sink [h], idx [b, s, k]; got "
+            f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, sink {tuple(sink.shape)}, idx {tuple(idx.shape)}"
+        )
+    b, s, h, d = q.shape
+    if kv.shape[0] != b or kv.shape[2] != d or idx.shape[:2] != (b, s) or sink.shape[0] != h:
+        raise ValueError(
+            f"sparse_attention_tilelang: inconsistent shapes q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
+            f"sink {tuple(sink.shape)}, idx {tuple(idx.shape)}"
+        )
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        raise TypeError(
+            f"sparse_attention_tilelang needs bfloat16 q and kv (got {q.dtype}, {kv.dtype}); "
+            "cast them or use attn backend 'torch'"
+        )
+    if d % 64 != 0 or d > 512:
+        raise ValueError(f"sparse_attention_tilelang needs a head dim that is a multiple of 64 and <= 512, got {d}")
+    if not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
+        raise ValueError("sparse_attention_tilelang needs q, kv, sink and idx on the same CUDA device")
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, sink, idx, scale, fwd_variant, bwd_variant):
+        b, s, h, d = q.shape
+        n, k = kv.shape[1], idx.shape[2]
+        hp = -(-h // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
+        kp = -(-k // SLOT_MULTIPLE) * SLOT_MULTIPLE
+        qp = _pad_heads(q, hp)
+        idxp = torch.full((b, s, kp), -1, dtype=torch.int32, device=q.device)
+        idxp[:, :, :k] = idx
+        sink2 = torch.zeros(hp, dtype=torch.float32, device=q.device)
+        sink2[:h] = sink.float() * LOG2E
+        kvc = kv.contiguous()
+        fwd, bwds = _attn_kernels(b, s, n, hp, d, kp, scale, _device_key(q), fwd_variant, bwd_variant)
+        o = torch.empty_like(qp)
+        lse2 = torch.empty((b, s, hp), dtype=torch.float32, device=q.device)
+        fwd(qp, kvc, idxp, sink2, o, lse2)
+        ctx.save_for_backward(qp, kvc, sink, sink2, idxp, o, lse2)
+        ctx.scale, ctx.variants, ctx.h = scale, (fwd_variant, bwd_variant), h
+        return o[:, :, :h] if hp != h else o
+
+    @staticmethod
+    def backward(ctx, do):
+        qp, kv, sink, sink2, idxp, o, lse2 = ctx.saved_tensors
+        h = ctx.h
+        b, s, hp, d = qp.shape
+        n, kp = kv.shape[1], idxp.shape[2]
+        _, bwds = _attn_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp), *ctx.variants)
+        dop = _pad_heads(do.to(qp.dtype), hp)
+        delta = (dop.float() * o.float()).sum(-1)  # [b, s, hp]: Δ = rowsum(dO·O)
+        dq = torch.empty_like(qp)
+        dkv = torch.zeros((b, n, d), dtype=torch.float32, device=qp.device)
+        if len(bwds) == 2:
+            ds = torch.empty((b, s, hp, kp), dtype=qp.dtype, device=qp.device)
+            bwds[0](qp, kv, dop, idxp, lse2, delta, ds, dkv)
+            bwds[1](kv, idxp, ds, dq)
+        else:
+            bwds[0](qp, kv, dop, idxp, lse2, delta, dq, dkv)
+        # the sink's softmax probability p = exp2(sink·log2e − lse2) gets dlogit = p·(0 − Δ)
+        p_sink = torch.exp2(sink2.view(1, 1, hp) - lse2)[..., :h]
+        dsink = -(p_sink * delta[..., :h]).sum(dim=(0, 1))
+        dq = dq[:, :, :h] if hp != h else dq
+        return dq, dkv.to(kv.dtype), dsink.to(sink.dtype), None, None, None, None
+
+
+def sparse_attention_tilelang(
+    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """TileLang version of ``sparse_attention_torch`` (same arguments, same result, differentiable).
+
+    q [b, s, h, d] bf16, kv [b, n, d] bf16, sink [h] fp32, idx [b, s, k] int (-1 = empty slot,
+    otherwise a row of kv in [0, n)), scale: softmax scale -> o [b, s, h, d] bf16.
+    Gradients flow to q, kv and sink.
+    """
+    _require_tilelang()
+    _check_attn_inputs(q, kv, sink, idx)
+    return _SparseAttention.apply(q, kv, sink, idx, float(scale), FWD_VARIANT, BWD_VARIANT)
+
+
+def indexer_scores_tilelang(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int) -> torch.Tensor:
+    """TileLang version of ``indexer_scores_torch`` (forward only: the indexer is frozen).
+
+    q [b, s, H, D] bf16, weights [b, s, H], index_k [b, T, D] bf16 -> scores [b, s, T] fp32 with
+    ``-inf`` where ``t >= (i + 1) // ratio``.
+    """
+    _require_tilelang()
+    if q.dim() != 4 or weights.shape != q.shape[:3] or index_k.dim() != 3 or index_k.shape[::2] != q.shape[::3]:
+        raise ValueError(
+            "indexer_scores_tilelang expects q [b, s, H, D], weights [b, s, H], index_k [b, T, D]; got "
+            f"{tuple(q.shape)}, {tuple(weights.shape)}, {tuple(index_k.shape)}"
+        )
+    if q.dtype != torch.bfloat16 or index_k.dtype != torch.bfloat16:
+        raise TypeError(f"indexer_scores_tilelang needs bfloat16 q and index_k (got {q.dtype}, {index_k.dtype})")
+    b, s, H, D = q.shape
+    n_idx = index_k.shape[1]
+    if 128 % H != 0 or D % 16 != 0:
+        raise ValueError(f"indexer_scores_tilelang needs 128 % heads == 0 and dim % 16 == 0, got H={H}, D={D}")
+    kernel = _indexer_kernel(b, s, n_idx, H, D, int(ratio), _device_key(q))
+    out = torch.empty((b, s, n_idx), dtype=torch.float32, device=q.device)
+    kernel(q.contiguous(), weights.float().contiguous(), index_k.contiguous(), out)
+    return out
+
+
+def _indexer_kernel(b, s, n_idx, H, D, ratio, device):
+    shape = (b, s, n_idx, H, D, ratio)
+    return _cached(
+        ("indexer", shape, "bfloat16", device), lambda: _compile(_build_indexer(*shape, block_q=128 // H))
+    )
+
+
+def warmup_tilelang_kernels(shapes: list, device=None) -> int:
+    """Compiles the kernels for the given shapes ahead of time; returns how many were built or found.
+
+    Each entry is a dict.  Attention: ``{"b", "s", "n", "h", "d", "k", "scale"}`` (``k`` = index
+    slots before padding) builds the forward and backward kernels.  Indexer:
+    ``{"kind": "indexer", "b", "s", "T", "H", "D", "ratio"}``.
+    """
+    _require_tilelang()
+    device = torch.device(device if device is not None else "cuda")
+    with torch.cuda.device(device):
+        dev = ("cuda", torch.cuda.current_device())
+        count = 0
+        for spec in shapes:
+            if spec.get("kind", "attention") == "indexer":
+                _indexer_kernel(spec["b"], spec["s"], spec["T"], spec["H"], spec["D"], int(spec["ratio"]), dev)
+                count += 1
+                continue
+            hp = -(-spec["h"] // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
+            kp = -(-spec["k"] // SLOT_MULTIPLE) * SLOT_MULTIPLE
+            _, bwds = _attn_kernels(spec["b"], spec["s"], spec["n"], hp, spec["d"], kp, spec["scale"], dev)
+            count += 1 + len(bwds)
+    return count

@@ -262,14 +262,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             )
         if pixel_values is None or image_grid_hws is None or vision_token_types is None:
             raise ValueError("image inputs need pixel_values, image_grid_hws and vision_token_types together")
-        from .vision import merge_image_embeddings
+        from .vision import encode_images, merge_image_embeddings, validate_image_inputs
 
-        features = self.vision(pixel_values.to(self.vision.patch_embed.proj.weight.dtype), image_grid_hws)
-        aligned = [self.aligner(f, tuple(grid.tolist())) for f, grid in zip(features, image_grid_hws)]
-        return merge_image_embeddings(
-            h, vision_token_types, aligned, self.image_start, self.image_end, self.image_newline,
-            input_ids=input_ids, image_token_id=self.image_token_id,
+        validate_image_inputs(
+            input_ids, vision_token_types, self.image_token_id, image_grid_hws, pixel_values,
+            self.config.vision_config.downsample_ratio,
         )
+        pixel_values = pixel_values.to(self.vision.patch_embed.proj.weight.dtype)
+        aligned = encode_images(self.vision, self.aligner, pixel_values, image_grid_hws)
+        return merge_image_embeddings(h, vision_token_types, aligned, self.image_start, self.image_end, self.image_newline)
 
 
 class DeepseekV41ForCausalLM(DeepseekV41Model):

@@ -18,14 +18,19 @@ should be rendered with the official ``encoding_dsv4.py`` encoder into a string 
 processor as ``text`` (with ``IMAGE_PLACEHOLDER`` where images go).
 """
 
-import torch
+from typing import ClassVar
+
 from transformers import AutoImageProcessor, AutoProcessor
 from transformers.image_processing_utils import BatchFeature
 from transformers.image_utils import make_flat_list_of_images
 from transformers.processing_utils import MultiModalData, ProcessingKwargs, ProcessorMixin, Unpack
 
 from .configuration_deepseek_v41 import DeepseekV41Config
-from .image_processing_deepseek_v41 import PLAN_FIELDS, DeepseekV41ImageProcessor, DeepseekV41ImageProcessorKwargs
+from .image_processing_deepseek_v41 import (
+    PLAN_FIELDS,
+    DeepseekV41ImageProcessor,
+    DeepseekV41ImageProcessorKwargs,
+)
 from .vision import TEXT, image_span_length, image_span_token_types, llm_grid
 
 IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
@@ -67,7 +72,8 @@ CHAT_TEMPLATE = (
     "{%- else -%}{{- '<｜User｜>' + text -}}{%- endif -%}"
     "{%- if loop.last or messages[loop.index0 + 1]['role'] == 'assistant' -%}"
     "{{- '<｜Assistant｜>' -}}"
-    "{%- if thinking and loop.index0 == ns.last_user -%}{{- '<think>' -}}{%- else -%}{{- '</think>' -}}{%- endif -%}"
+    "{%- if thinking and loop.index0 == ns.last_user -%}{{- '<think>' -}}"
+    "{%- else -%}{{- '</think>' -}}{%- endif -%}"
     "{%- endif -%}"
     "{%- elif role == 'assistant' -%}"
     "{%- if message['tool_calls'] -%}"
@@ -98,17 +104,22 @@ class DeepseekV41Processor(ProcessorMixin):
     consumed in order of their placeholders, row by row."""
 
     valid_processor_kwargs = DeepseekV41ProcessorKwargs
-    text_kwargs = {"padding": True}  # batches are padded to the longest row unless padding=False
+    # batches are padded to the longest row unless padding=False
+    text_kwargs: ClassVar[dict] = {"padding": True}
     image_token = IMAGE_PLACEHOLDER
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, image_token_id=129264, **kwargs):
+    def __init__(
+        self, image_processor=None, tokenizer=None, chat_template=None, image_token_id=129264, **kwargs
+    ):
         self.image_token_id = image_token_id
         super().__init__(image_processor, tokenizer, chat_template=chat_template or CHAT_TEMPLATE, **kwargs)
 
     def __call__(self, images=None, text=None, **kwargs: Unpack[DeepseekV41ProcessorKwargs]) -> BatchFeature:
         if text is None:
-            raise ValueError("text is required (use IMAGE_PLACEHOLDER where images go); for images alone call "
-                             "processor.image_processor")
+            raise ValueError(
+                "text is required (use IMAGE_PLACEHOLDER where images go); for images alone call "
+                "processor.image_processor"
+            )
         texts = [text] if isinstance(text, str) else list(text)
         images = [] if images is None else make_flat_list_of_images(images)
         n_placeholders = [t.count(self.image_token) for t in texts]
@@ -117,12 +128,16 @@ class DeepseekV41Processor(ProcessorMixin):
                 f"the text holds {sum(n_placeholders)} image placeholders {self.image_token} (per row "
                 f"{n_placeholders}) but {len(images)} images were given; give one image per placeholder"
             )
-        merged = self._merge_kwargs(DeepseekV41ProcessorKwargs, tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs)
+        merged = self._merge_kwargs(
+            DeepseekV41ProcessorKwargs, tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs
+        )
         text_kwargs, images_kwargs = merged["text_kwargs"], merged["images_kwargs"]
         return_tensors = text_kwargs.get("return_tensors")
         if text_kwargs.get("truncation") or text_kwargs.get("return_offsets_mapping"):
-            raise ValueError("truncation and offset mappings are not supported: they would cut or misplace image "
-                             "spans; shorten conversations before processing")
+            raise ValueError(
+                "truncation and offset mappings are not supported: they would cut or misplace image "
+                "spans; shorten conversations before processing"
+            )
 
         data = {}
         llm_grids = []
@@ -133,7 +148,9 @@ class DeepseekV41Processor(ProcessorMixin):
 
         # Tokenize the text between placeholders (one batched call), then put a span in each gap.
         pieces = [t.split(self.image_token) for t in texts]
-        piece_ids = iter(self.tokenizer([p for row in pieces for p in row], add_special_tokens=False)["input_ids"])
+        piece_ids = iter(
+            self.tokenizer([p for row in pieces for p in row], add_special_tokens=False)["input_ids"]
+        )
         grids = iter(llm_grids)
         rows_ids, rows_types = [], []
         for row in pieces:
@@ -166,7 +183,9 @@ class DeepseekV41Processor(ProcessorMixin):
         elif padding == "max_length":
             target = text_kwargs.get("max_length") or max(lengths)
             if target < max(lengths):
-                raise ValueError(f"max_length={target} is shorter than the longest row ({max(lengths)} tokens)")
+                raise ValueError(
+                    f"max_length={target} is shorter than the longest row ({max(lengths)} tokens)"
+                )
         elif padding in (False, None, "do_not_pad"):
             target = None
         else:
@@ -178,7 +197,9 @@ class DeepseekV41Processor(ProcessorMixin):
         for ids, types in zip(rows_ids, rows_types):
             n_pad = 0 if target is None else target - len(ids)
             if n_pad and self.tokenizer.pad_token_id is None:
-                raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token or pass padding=False")
+                raise ValueError(
+                    "the tokenizer has no pad token; set tokenizer.pad_token or pass padding=False"
+                )
             pads = ([self.tokenizer.pad_token_id] * n_pad, [0] * n_pad, [TEXT] * n_pad)
             rows = (ids, [1] * len(ids), types)
             for key, row, pad in zip(out, rows, pads):
@@ -214,4 +235,4 @@ def register_processors():
     DeepseekV41Processor.register_for_auto_class("AutoProcessor")
 
 
-__all__ = ["DeepseekV41Processor", "IMAGE_PLACEHOLDER", "register_processors"]
+__all__ = ["IMAGE_PLACEHOLDER", "DeepseekV41Processor", "register_processors"]

@@ -113,7 +113,9 @@ class DeepseekV41VisionAttention(nn.Module):
         for (h, w), (cos, sin) in zip(grid_hws, rope):
             n = h * w
             # [n, d] -> [heads, n, head_dim]
-            qi, ki, vi = (t[start : start + n].view(n, self.num_heads, self.head_dim).transpose(0, 1) for t in (q, k, v))
+            qi, ki, vi = (
+                t[start : start + n].view(n, self.num_heads, self.head_dim).transpose(0, 1) for t in (q, k, v)
+            )
             qi, ki = apply_vision_rope(qi, cos, sin), apply_vision_rope(ki, cos, sin)
             oi = F.scaled_dot_product_attention(qi, ki, vi)  # scale head_dim^-0.5, no mask
             outputs.append(oi.transpose(0, 1).reshape(n, -1))
@@ -180,7 +182,10 @@ class DeepseekV41VisionTransformer(nn.Module):
         grid_hws = [(int(h), int(w)) for h, w in image_grid_hws.tolist()]
         check_pixel_rows(pixel_values, grid_hws)
         head_dim = self.config.hidden_size // self.config.num_attention_heads
-        rope = [vision_rope_cos_sin(h, w, head_dim, self.config.rope_theta, pixel_values.device) for h, w in grid_hws]
+        rope = [
+            vision_rope_cos_sin(h, w, head_dim, self.config.rope_theta, pixel_values.device)
+            for h, w in grid_hws
+        ]
         x = self.patch_embed(pixel_values)
         for block in self.blocks:
             x = block(x, grid_hws, rope)
@@ -204,7 +209,9 @@ class DeepseekV41VisionAligner(nn.Module):
         # features [h*w, c] of one image, grid_hw (h, w) ViT grid -> [n_llm_h*n_llm_w, text_hidden]
         h, w = (int(s) for s in grid_hw)
         if features.shape[0] != h * w:
-            raise ValueError(f"aligner got {features.shape[0]} feature rows for a {h}x{w} ViT grid ({h * w} rows)")
+            raise ValueError(
+                f"aligner got {features.shape[0]} feature rows for a {h}x{w} ViT grid ({h * w} rows)"
+            )
         r = self.ratio
         x = features.t().reshape(1, -1, h, w)  # [1, c, h, w]
         x = F.pad(x, (0, -w % r, 0, -h % r))  # zeros bottom/right
@@ -264,7 +271,8 @@ def validate_image_inputs(
     has_id = input_ids == image_token_id
     if (in_span != has_id).any():
         row, pos = _where(in_span != has_id)
-        counts = f"({int(in_span.sum())} image-span positions, {int(has_id.sum())} positions with id {image_token_id})"
+        n_span, n_id = int(in_span.sum()), int(has_id.sum())
+        counts = f"({n_span} image-span positions, {n_id} positions with id {image_token_id})"
         if in_span[row, pos]:
             raise ValueError(
                 f"position [{row}, {pos}] has token type {_TYPE_NAMES[types[row, pos].item()]} but id "
@@ -272,8 +280,8 @@ def validate_image_inputs(
                 f"{image_token_id} {counts}"
             )
         raise ValueError(
-            f"position [{row}, {pos}] carries image_token_id {image_token_id} but token type TEXT; that id is "
-            f"reserved for image spans built by the processor {counts}"
+            f"position [{row}, {pos}] carries image_token_id {image_token_id} but token type TEXT; that id "
+            f"is reserved for image spans built by the processor {counts}"
         )
 
     if (image_grid_hws is None) != (pixel_values is None):
@@ -290,9 +298,9 @@ def validate_image_inputs(
     actual = types[in_span]
     if actual.numel() != sum(lengths):
         raise ValueError(
-            f"vision_token_types mark {actual.numel()} image-span positions but the {len(grid_hws)} image grids "
-            f"need {sum(lengths)} (span lengths {lengths} for LLM grids {[list(g) for g in llm_grids]}); the "
-            "number of image spans in the text must equal the number of images"
+            f"vision_token_types mark {actual.numel()} image-span positions but the {len(grid_hws)} image "
+            f"grids need {sum(lengths)} (span lengths {lengths} for LLM grids {[list(g) for g in llm_grids]}); "
+            "the number of image spans in the text must equal the number of images"
         )
     if not lengths:
         return
@@ -303,11 +311,11 @@ def validate_image_inputs(
         first = int((actual != expected).nonzero()[0])
         k = next(i for i in range(len(lengths)) if first < sum(lengths[: i + 1]))
         row, pos = in_span.nonzero()[first].tolist()
+        n_h, n_w = llm_grids[k]
         raise ValueError(
             f"image {k}: span offset {first - sum(lengths[:k])} (position [{row}, {pos}]) has type "
-            f"{_TYPE_NAMES[actual[first].item()]} but its {llm_grids[k][0]}x{llm_grids[k][1]} LLM grid needs "
-            f"{_TYPE_NAMES[expected[first].item()]}; the layout is START, (IMAGE x {llm_grids[k][1]}, NEWLINE) x "
-            f"{llm_grids[k][0]}, END"
+            f"{_TYPE_NAMES[actual[first].item()]} but its {n_h}x{n_w} LLM grid needs "
+            f"{_TYPE_NAMES[expected[first].item()]}; the layout is START, (IMAGE x {n_w}, NEWLINE) x {n_h}, END"
         )
     starts = (types == IMAGE_START).nonzero().tolist()
     ends = (types == IMAGE_END).nonzero().tolist()
@@ -319,7 +327,9 @@ def validate_image_inputs(
             )
 
 
-def merge_image_embeddings(inputs_embeds, vision_token_types, image_features, image_start, image_end, image_newline):
+def merge_image_embeddings(
+    inputs_embeds, vision_token_types, image_features, image_start, image_end, image_newline
+):
     """Write the image spans into the token embeddings, out of place (gradients reach all inputs).
 
     inputs_embeds [b, s, D]; vision_token_types [b, s]; image_features: list of [n_llm_h*n_llm_w, D] in

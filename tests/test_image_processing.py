@@ -42,15 +42,35 @@ def test_fixture_images_reproduce_official_patches_bit_exactly(golden, tiny_proc
 
 
 # (width, height) -> (n_llm_h, n_llm_w) under the released vision config, as computed by the official
-# inference/image_processor.py (revision dba1be0a) in a published sweep (xbzb404/dsh-context-compression-selector,
-# packages/runtime/tests/fixtures/vision-official-sweep.json): min-pixel upscales, plain sizes and shrinks.
+# inference/image_processor.py (revision dba1be0a) in a published sweep (GitHub
+# xbzb404/dsh-context-compression-selector, packages/runtime/tests/fixtures/vision-official-sweep.json):
+# min-pixel upscales, plain sizes and shrinks.
 OFFICIAL_GRIDS = {
-    (1, 1): (13, 13), (2, 3): (16, 11), (13, 14): (14, 13), (28, 14): (10, 19), (543, 544): (13, 13),
-    (240, 180): (12, 15), (180, 240): (15, 12), (640, 480): (12, 16), (800, 600): (15, 20),
-    (1024, 768): (19, 25), (1280, 960): (23, 31), (1600, 1200): (27, 36), (2000, 2000): (31, 31),
-    (4000, 3000): (27, 36), (1444, 1240): (29, 34), (4328, 2964): (26, 38), (4, 400): (130, 2),
-    (400, 4): (2, 130), (1152, 128): (5, 39), (4200, 100): (3, 100), (10000, 10): (1, 410),
-    (10, 10000): (410, 1), (839, 2): (1, 266), (3235, 396): (10, 78), (99, 3973): (95, 3),
+    (1, 1): (13, 13),
+    (2, 3): (16, 11),
+    (13, 14): (14, 13),
+    (28, 14): (10, 19),
+    (543, 544): (13, 13),
+    (240, 180): (12, 15),
+    (180, 240): (15, 12),
+    (640, 480): (12, 16),
+    (800, 600): (15, 20),
+    (1024, 768): (19, 25),
+    (1280, 960): (23, 31),
+    (1600, 1200): (27, 36),
+    (2000, 2000): (31, 31),
+    (4000, 3000): (27, 36),
+    (1444, 1240): (29, 34),
+    (4328, 2964): (26, 38),
+    (4, 400): (130, 2),
+    (400, 4): (2, 130),
+    (1152, 128): (5, 39),
+    (4200, 100): (3, 100),
+    (10000, 10): (1, 410),
+    (10, 10000): (410, 1),
+    (839, 2): (1, 266),
+    (3235, 396): (10, 78),
+    (99, 3973): (95, 3),
 }
 
 
@@ -117,6 +137,15 @@ def test_aspect_preserving_resize_pads_centered_gray(tiny_processor):
     values = _uint8(pixels)
     assert torch.all(values[:, :3] == 127) and torch.all(values[:, -3:] == 127)
     assert torch.all(values[:, 4:-4] == 255)
+
+
+def test_max_wh_ratio_clamps_width_and_stretches():
+    processor = DeepseekV41ImageProcessor(max_image_tokens=64, min_pixels=1, max_wh_ratio=2)
+    out = processor(Image.new("RGB", (400, 100), (255, 255, 255)))
+    assert out["image_grid_hws"].tolist() == [[8, 15]]  # planned as 200x100 -> box 210x112
+    assert torch.all(out["pixel_values"] == 1.0)  # stretched into the box: no gray padding
+    narrow = processor(Image.new("RGB", (150, 100), (255, 255, 255)))  # under the ratio: padded as usual
+    assert narrow["image_grid_hws"].tolist() == [[8, 11]] and not torch.all(narrow["pixel_values"] == 1.0)
 
 
 def test_rgba_drops_alpha_and_gray_expands(tiny_processor):

@@ -15,8 +15,10 @@ At the root, ``embed`` and ``norm`` are bf16 units and the root unit holds only 
 ``MixedPrecisionPolicy(fp32, fp32, fp32)``: the fp32 LM head as its own unit (``lm_head_precision``).
 Routed experts (EP-sharded on dim 0) and Engram tables (row owners) are ``ignored_params`` everywhere.
 
-Activation checkpointing wraps each block's forward (non-reentrant) with a selective policy that saves the
-output of every ``topk``, so recomputation can never change routing or the CSA2 selection.
+Activation checkpointing wraps each block's forward (non-reentrant).  Recomputation reproduces routing and
+the CSA2 top-k because both are deterministic functions of the block's saved inputs and the per-forward,
+immutable ``CSA2State``.  (A selective policy saving every ``topk`` is not usable here: the bf16 units
+nested inside a block run FSDP hooks during recompute, which selective checkpointing rejects.)
 """
 
 import functools
@@ -24,7 +26,7 @@ import functools
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -42,21 +44,13 @@ def _policies(fsdp_cfg: dict, lm_head_precision: str) -> dict:
     }
 
 
-def _keep_topk(ctx, op, *args, **kwargs):
-    # Routing (MoE top-k) and CSA2 selections are saved, never recomputed; everything else is recomputed.
-    if op is torch.ops.aten.topk.default:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def checkpoint_block(block: nn.Module) -> None:
     """Replace ``block.forward`` by a non-reentrant checkpoint of itself (names and hooks unchanged)."""
     inner = block.forward
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False,
-                          context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_topk), **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     block.forward = forward
 

@@ -1,0 +1,315 @@
+"""The fine-tuning run: process group, sharded model, data, optimizer, prewarm, updates, validation, metrics.
+
+Loss normalization (training_recipe.md §5): fp32 cross-entropy summed over the supervised tokens of the
+whole global batch and divided by their count.  Each rank back-propagates ``local_sum * W / global_count``,
+so the FSDP mean over ``W`` ranks gives exactly the global-batch gradient.  Gradients that are *sums* over
+ranks instead (EP experts and Engram rows, filled by all-to-all backward; replicated ``attn_sink`` after
+its all-reduce) are divided by ``W`` exactly once, before clipping.
+"""
+
+import gc
+import json
+import math
+import os
+import random
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from deepseek_v41.training import data as data_lib
+from deepseek_v41.training.engram_owner import apply_row_owner_engram
+from deepseek_v41.training.expert_parallel import apply_expert_parallel, replicated_expert_grads
+from deepseek_v41.training.fsdp import parallelize
+from deepseek_v41.training.model_setup import build_meta_model, check_checkpoint
+from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
+from deepseek_v41.training.recipe import validate_world
+from deepseek_v41.training.sharded_load import load_sharded_checkpoint
+
+
+class Trainer:
+    """Everything one rank holds for a run; ``fit()`` runs the updates."""
+
+    def __init__(self, recipe: dict):
+        self.recipe = recipe
+        self.rank, self.world, self.device = _init_distributed(recipe["distributed"]["backend"])
+        validate_world(recipe, self.world)
+        _seed_everything(recipe["seed"])
+        self.out_dir = Path(recipe["output_dir"])
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = check_checkpoint(recipe, self.rank)
+        self.tokenizer = data_lib.load_tokenizer(recipe["tokenizer"]["path"], self.path)
+        self._build_model()
+        self._build_data()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = params
+        self.optimizer = build_optimizer(params, recipe["optimizer"], self.device.type)
+        self.wandb = _init_wandb(recipe) if self.rank == 0 and recipe["wandb"]["enable"] else None
+
+    # ---- model -------------------------------------------------------------------------------------
+    def _build_model(self):
+        r = self.recipe
+        ep = r["distributed"]["ep_size"]
+        self.model = build_meta_model(r, self.path, self.tokenizer)
+        self.ep_mesh = init_device_mesh(self.device.type, (self.world // ep, ep), mesh_dim_names=("ep_shard", "ep"))
+        dispatcher = self.model.config.backend["dispatcher"]
+        if ep > 1 and dispatcher == "local":
+            raise ValueError(
+                f"distributed.ep_size={ep} needs an expert-parallel dispatcher; set "
+                "--model.config.backend.dispatcher=torch (all-to-all) or hybridep"
+            )
+        self.expert_params = apply_expert_parallel(self.model, self.ep_mesh, dispatcher)
+        self.engram_group = dist.new_group(list(range(self.world)))
+        self.table_params = apply_row_owner_engram(self.model, self.engram_group)
+        self.dp_mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
+        ignored = set(self.expert_params) | set(self.table_params)
+        self.replicated = parallelize(self.model, self.dp_mesh, r["fsdp"], r["model"]["lm_head_precision"], ignored)
+        self.model.to_empty(device=self.device)
+        load_sharded_checkpoint(self.model, self.path, dequantize=r["model"]["dequantize_base_checkpoint"])
+        self.model.train()
+
+    # ---- data --------------------------------------------------------------------------------------
+    def _build_data(self):
+        r = self.recipe
+        ds, vs, steps = r["dataset"], r["validation_dataset"], r["step_scheduler"]
+        text = self.model.config.text_config
+        self.hasher = None
+        if ds["precompute_engram_hashes"] and text.engram_layer_ids:
+            from deepseek_v41.engram_hashing import EngramHasher
+
+            self.hasher = EngramHasher.from_config(text, self.tokenizer)
+        self.pad_id = self.model.config.pad_token_id
+        rows = data_lib.read_hellaswag(ds["path_or_dataset"], ds["split"], ds["num_samples_limit"])
+        self.train_set = data_lib.HellaSwagSFT(rows, self.tokenizer, ds["max_length"])
+        vrows = data_lib.read_hellaswag(vs["path_or_dataset"], vs["split"], vs["num_samples_limit"])
+        self.val_set = data_lib.HellaSwagSFT(vrows, self.tokenizer, ds["max_length"])
+        self.sampler = data_lib.UpdateSampler(
+            len(self.train_set), steps["global_batch_size"], steps["local_batch_size"], self.rank, self.world,
+            r["seed"], ds["shuffle"],
+        )
+        available = self.sampler.updates_per_epoch * steps["num_epochs"]
+        self.max_steps = min(steps["max_steps"], available)
+        if self.max_steps < steps["max_steps"] and self.rank == 0:
+            print(f"[finetune] the data covers {available} updates ({steps['num_epochs']} epoch(s)); "
+                  f"stopping there instead of max_steps={steps['max_steps']}", flush=True)
+        self.val_batches = data_lib.validation_batches(len(self.val_set), vs["local_batch_size"], self.rank, self.world)
+
+    def _batch(self, dataset, indices):
+        batch = data_lib.collate([dataset[i] for i in indices], self.pad_id,
+                                 self.recipe["dataset"]["pad_seq_len_divisible"], self.hasher)
+        out = {k: v.to(self.device) for k, v in batch.items() if k != "engram_hash_ids"}
+        if "engram_hash_ids" in batch:
+            out["engram_hash_ids"] = {k: v.to(self.device) for k, v in batch["engram_hash_ids"].items()}
+        return out
+
+    # ---- steps -------------------------------------------------------------------------------------
+    def _forward(self, batch) -> tuple:
+        # -> (summed CE over this batch's supervised tokens, their count); the model returns the mean
+        labels, mask = batch["labels"], batch["attention_mask"]
+        count = ((labels[:, 1:] != -100) & (mask[:, 1:] != 0)).sum()
+        out = self.model(**batch)
+        return out.loss * count, count
+
+    def _all_sum(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().to(torch.float64).clone()
+        dist.all_reduce(value)
+        return value
+
+    def compute_gradients(self, update: int) -> dict:
+        """Forward/backward of every micro-batch of ``update``; gradients end as global-batch means."""
+        batches = [self._batch(self.train_set, idx) for idx in self.sampler.micro_batches(update)]
+        counts = torch.stack([((b["labels"][:, 1:] != -100) & (b["attention_mask"][:, 1:] != 0)).sum()
+                              for b in batches])
+        global_count = self._all_sum(counts.sum()).clamp(min=1)
+        tokens = self._all_sum(sum(b["attention_mask"].sum() for b in batches))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for batch in batches:
+            summed, _ = self._forward(batch)
+            (summed * (self.world / global_count.float())).backward()
+            loss_sum += summed.detach().double()
+        self._finish_gradients()
+        return {"loss": float(self._all_sum(loss_sum) / global_count), "tokens": float(tokens)}
+
+    def train_step(self, update: int) -> dict:
+        stats = self.compute_gradients(update)
+        max_norm = self.recipe["clip_grad_norm"]["max_norm"]
+        replicas = {p: self.world for p in self.replicated}
+        replicas.update({p: self.ep_mesh["ep_shard"].size() for p in self.expert_params})
+        grad_norm = clip_grad_norm_(self.params, max_norm if max_norm else math.inf, replicas=replicas)
+        lr = lr_at(update, self.recipe["lr_scheduler"], self.recipe["optimizer"]["lr"])
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**stats, "grad_norm": float(grad_norm), "lr": lr}
+
+    def _finish_gradients(self):
+        replicated_expert_grads(self.expert_params, self.ep_mesh)
+        average_summed_gradients(self.replicated, list(self.expert_params) + list(self.table_params), self.world)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        for indices in self.val_batches:
+            summed, n = self._forward(self._batch(self.val_set, indices))
+            total += summed.double()
+            count += n.double()
+        return float(self._all_sum(total) / self._all_sum(count).clamp(min=1))
+
+    def prewarm(self):
+        """One forward+backward on the first micro-batch: EP and Engram exchanges, FSDP collectives and kernel
+        caches are set up before the first timed update.  Gradients are discarded; nothing is updated."""
+        if self.model.config.backend["attn"] == "tilelang":
+            try:
+                from deepseek_v41.kernels_tilelang import warmup_tilelang_kernels
+            except ImportError:
+                warmup_tilelang_kernels = None
+            if warmup_tilelang_kernels is not None:
+                batch = self._batch(self.train_set, self.sampler.micro_batches(0)[0])
+                warmup_tilelang_kernels([tuple(batch["input_ids"].shape)], self.device)
+        batch = self._batch(self.train_set, self.sampler.micro_batches(0)[0])
+        summed, _ = self._forward(batch)
+        (summed * 0.0).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.barrier()
+
+    def fit(self) -> list:
+        r = self.recipe
+        val_every, log_every = r["step_scheduler"]["val_every_steps"], r["log_every_steps"]
+        metrics_path = self.out_dir / "metrics.jsonl"
+        records = []
+        if r["prewarm"]:
+            t0 = time.perf_counter()
+            self.prewarm()
+            self._print(f"[finetune] prewarm done in {time.perf_counter() - t0:.1f} s")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start, train_time, train_tokens = time.perf_counter(), 0.0, 0.0
+        with open(metrics_path, "w") if self.rank == 0 else _NullFile() as metrics:
+            for update in range(self.max_steps):
+                t0 = time.perf_counter()
+                stats = self.train_step(update)
+                step_time = time.perf_counter() - t0
+                train_time += step_time
+                train_tokens += stats["tokens"]
+                step = update + 1
+                record = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+                          "tokens_per_s": stats["tokens"] / step_time}
+                records.append(record)
+                self._emit(metrics, record)
+                if step % log_every == 0 or step == self.max_steps:
+                    self._progress(step, record, time.perf_counter() - start)
+                if val_every and (step % val_every == 0 or step == self.max_steps):
+                    val = {"step": step, "val_loss": self.validate()}
+                    records.append(val)
+                    self._emit(metrics, val)
+                    self._print(f"[finetune] step {step}: validation loss {val['val_loss']:.4f}")
+                if step % 10 == 0:
+                    gc.collect()
+        self._summary(train_tokens / max(train_time, 1e-9), time.perf_counter() - start)
+        if r["checkpoint"]["export_dir"]:
+            from deepseek_v41.training.export import export_floating_point
+
+            export_floating_point(self, r["checkpoint"]["export_dir"])
+        return records
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def _emit(self, metrics, record):
+        if self.rank == 0:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if self.wandb is not None:
+                self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def _progress(self, step, record, elapsed):
+        total = self.max_steps
+        width = 24
+        filled = int(width * step / total)
+        eta = elapsed / step * (total - step)
+        self._print(
+            f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {record['loss']:.4f} | "
+            f"grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+            f"{record['tokens_per_s']:.0f} tok/s | {elapsed:.0f}s elapsed, eta {eta:.0f}s"
+        )
+
+    def _summary(self, tokens_per_s, wall):
+        if self.device.type == "cuda":
+            peak = torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30, device=self.device)
+            what = "GPU memory allocated"
+        else:
+            peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB -> GiB
+            what = "resident memory (RSS)"
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        self._print(f"[finetune] done: {self.max_steps} updates in {wall:.1f} s, {tokens_per_s:.1f} tokens/s "
+                    f"(global, training steps only), peak {what} {float(peak):.2f} GiB per rank")
+
+    def _print(self, text):
+        if self.rank == 0:
+            print(text, flush=True)
+
+
+def average_summed_gradients(replicated: list, summed: list, world: int) -> None:
+    """Turn gradients that are sums over ranks into means over ranks, exactly once.
+
+    ``replicated`` (e.g. ``attn_sink``) hold only their own rank's contribution: all-reduced, then / W.
+    ``summed`` (EP experts, Engram owner rows) already hold the sum over every rank's tokens: / W.
+    FSDP-managed gradients are means already and are not touched.
+    """
+    for p in replicated:
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+    for p in list(replicated) + list(summed):
+        if p.grad is not None:
+            p.grad.div_(world)
+
+
+class _NullFile:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _init_distributed(backend: str) -> tuple:
+    if "RANK" not in os.environ:
+        raise RuntimeError("launch with torchrun, e.g. torchrun --nproc_per_node 2 examples/finetune.py RECIPE.yaml")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("distributed.backend=nccl needs CUDA GPUs; on CPU use --distributed.backend=gloo")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _seed_everything(seed: int):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _init_wandb(recipe):
+    import wandb
+
+    cfg = recipe["wandb"]
+    run = wandb.init(project=cfg["project"], name=cfg["name"], mode=cfg["mode"], dir=cfg["dir"], config=recipe)
+    return run
+
+
+def run(recipe: dict) -> list:
+    """Train with ``recipe`` (already parsed); returns the metric records (rank 0 writes metrics.jsonl)."""
+    trainer = Trainer(recipe)
+    try:
+        return trainer.fit()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,70 @@
+"""The base checkpoint and the meta-device model the trainer shards.
+
+``check_checkpoint`` resolves ``model.config.pretrained_model_name_or_path`` (optionally creating the tiny
+CPU-demo checkpoint there with ``conversion/make_tiny_checkpoint.py``); ``build_meta_model`` builds
+``DeepseekV41ForCausalLM`` on the meta device from the checkpoint's config plus the recipe's
+``text_config`` / ``vision_config`` / ``backend`` overrides (unknown fields are errors with close matches).
+"""
+
+import difflib
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from deepseek_v41.backends import resolve_backend
+from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
+from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
+
+_TINY_SCRIPT = Path(__file__).resolve().parents[2] / "conversion" / "make_tiny_checkpoint.py"
+
+
+def check_checkpoint(recipe: dict, rank: int) -> Path:
+    """The checkpoint folder; with ``model.make_tiny_checkpoint_if_missing`` rank 0 creates it first."""
+    path = Path(str(recipe["model"]["config"]["pretrained_model_name_or_path"])).expanduser()
+    if not (path / "config.json").is_file() and recipe["model"]["make_tiny_checkpoint_if_missing"]:
+        if rank == 0:
+            if not _TINY_SCRIPT.is_file():
+                raise FileNotFoundError(f"{_TINY_SCRIPT} is missing: run from a checkout of the repository")
+            print(f"[finetune] creating the tiny checkpoint in {path}", flush=True)
+            subprocess.run([sys.executable, str(_TINY_SCRIPT), "--out", str(path)], check=True)
+        dist.barrier()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"checkpoint folder {path} does not exist or has no config.json; download DeepSeek-V4.1-Flash there "
+            "(or export DS41_CHECKPOINT) and pass --model.config.pretrained_model_name_or_path=/path/to/checkpoint"
+        )
+    return path
+
+
+def _apply_overrides(sub_config, overrides: dict, section: str) -> None:
+    for key, value in overrides.items():
+        if not hasattr(sub_config, key):
+            known = [k for k in vars(sub_config) if not k.startswith("_")]
+            close = difflib.get_close_matches(key, known, n=5, cutoff=0.6)
+            raise ValueError(
+                f"model.config.{section}.{key} is not a {section} field"
+                + (f"; did you mean {', '.join(close)}?" if close else "")
+            )
+        setattr(sub_config, key, value)
+
+
+def build_config(recipe: dict, path: Path) -> DeepseekV41Config:
+    cfg = recipe["model"]["config"]
+    config = DeepseekV41Config.from_pretrained(path)
+    _apply_overrides(config.text_config, cfg["text_config"], "text_config")
+    _apply_overrides(config.vision_config, cfg["vision_config"], "vision_config")
+    config.text_config.validate_layout()
+    config.backend = resolve_backend({**config.backend, **cfg["backend"]})
+    config._name_or_path = str(path)
+    return config
+
+
+def build_meta_model(recipe: dict, path: Path, tokenizer) -> torch.nn.Module:
+    """``DeepseekV41ForCausalLM`` with every parameter on the meta device (Engram constants on the host)."""
+    config = build_config(recipe, path)
+    dtype = getattr(torch, recipe["model"]["config"]["dtype"])
+    with torch.device("meta"), default_dtype(dtype):
+        return DeepseekV41ForCausalLM(config, tokenizer=tokenizer)

