@@ -483,8 +483,10 @@ class StoredTensor:
 
     @property
     def where(self) -> str:
-        files = {self.record.file.name} | ({self.scale.file.name} if self.scale else set())
-        return " and ".join(sorted(files))
+        """The file holding the tensor (and its scale's file when that differs), for messages."""
+        if self.scale is not None and self.scale.file != self.record.file:
+            return f"{self.record.file} (scale in {self.scale.file.name})"
+        return str(self.record.file)
 
 
 class ReleasedCheckpoint:
@@ -550,7 +552,11 @@ class ReleasedCheckpoint:
         self.listing = index_path  # the file that lists every tensor (index, or the single shard)
         records = {}
         for file, names in sorted(by_file.items()):
-            header = read_safetensors_header(self.path / file)
+            try:
+                header = read_safetensors_header(self.path / file)
+            except CheckpointError as exc:  # say which tensors the broken shard should hold
+                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+                raise CheckpointError(f"{exc} [{index_path.name} places tensor {names[0]!r}{more} in it]") from None
             for name in names:
                 if name not in header:
                     raise CheckpointError(f"{index_path} maps tensor {name!r} to {self.path / file}, "

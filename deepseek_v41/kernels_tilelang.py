@@ -29,7 +29,6 @@ on-disk cache of compiled kernels in ``$TILELANG_CACHE_DIR`` (default ``~/.tilel
 second process with the same shapes loads them in well under a second instead of recompiling.
 """
 
-import math
 import threading
 
 import torch
@@ -136,6 +135,8 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, sta
                 T.copy(m, m_prev)
                 T.reduce_max(acc_s, m, dim=1, clear=False)
                 for h in T.Parallel(HB):
+                    m[h] = T.max(m[h], m_prev[h])
+                for h in T.Parallel(HB):
                     alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
                 for h, r in T.Parallel(HB, BI):
                     acc_s[h, r] = T.exp2(acc_s[h, r] * c - m[h] * c)
@@ -199,6 +200,8 @@ def _build_attn_fwd_ws(batch, seq, n_kv, heads, dim, slots, scale):
         T.gemm(q_r, kv_r, acc_s, transpose_B=True)
         T.copy(m, m_prev)
         T.reduce_max(acc_s, m, dim=1, clear=False)
+        for h in T.Parallel(HB):
+            m[h] = T.max(m[h], m_prev[h])
         for h in T.Parallel(HB):
             alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
         for h, r in T.Parallel(HB, BI):
@@ -550,7 +553,10 @@ SLOT_MULTIPLE = 128  # idx is padded with -1 to this multiple (the "ws" forward 
 
 
 def _compile(program):
-    return tilelang.compile(program, target="cuda", pass_configs=_PASS_CONFIGS)
+    # name the architecture: Hopper needs the "a" variant (sm_90a) for wgmma and setmaxnreg
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    return tilelang.compile(program, target={"kind": "cuda", "arch": arch}, pass_configs=_PASS_CONFIGS)
 
 
 def _device_key(t: torch.Tensor):
@@ -720,3 +726,17 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
             _, bwds = _attn_kernels(spec["b"], spec["s"], spec["n"], hp, spec["d"], kp, spec["scale"], dev)
             count += 1 + len(bwds)
     return count
+
+
+def tilelang_shapes_for(config, batch: int, seq: int) -> list:
+    """The ``warmup_tilelang_kernels`` specs that a text config needs for one [batch, seq] micro-batch."""
+    h, d = config.num_attention_heads, config.head_dim
+    specs = []
+    for ratio in sorted(set(config.compress_ratios[: config.num_hidden_layers])):
+        n_comp = seq // ratio if ratio else 0
+        k = config.sliding_window + min(config.index_topk, n_comp)
+        specs.append({"b": batch, "s": seq, "n": seq + n_comp, "h": h, "d": d, "k": k, "scale": d**-0.5})
+        if ratio and n_comp:
+            specs.append({"kind": "indexer", "b": batch, "s": seq, "T": n_comp, "H": config.index_n_heads,
+                          "D": config.index_head_dim, "ratio": ratio})
+    return specs

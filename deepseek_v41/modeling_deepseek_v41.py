@@ -9,6 +9,7 @@ Parameter names are the released checkpoint's (``embed.weight``, ``layers.{i}.at
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -82,7 +83,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     # fp32 islands (architecture.md §4, §7, §8): loaded, kept and trained in fp32 whatever the model dtype.
     _keep_in_fp32_modules_strict = [
         "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-        "attn_sink", "gate.bias", "gate.bias_vl", "head",
+        "attn_sink", "gate.bias", "gate.bias_vl", "head", "norm1", "norm2", "vision.norm",
     ]
 
     @torch.no_grad()
@@ -159,7 +160,13 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         with torch.device("meta"), default_dtype(dtype):
             model = cls(config, *model_args, tokenizer=tokenizer)
         model.to_empty(device=device)
-        load_checkpoint_into_model(model, path, dequantize_base_checkpoint=config.dequantize_base_checkpoint)
+        # The backbone (AutoModel) loads a causal-LM checkpoint without its head; nothing else may be left over.
+        report = load_checkpoint_into_model(
+            model, path, strict=cls._with_head, dequantize_base_checkpoint=config.dequantize_base_checkpoint
+        )
+        leftover = sorted(set(report.unexpected) - {"head.weight"}) + sorted(report.missing)
+        if leftover:
+            raise ValueError(f"checkpoint {path} does not match {cls.__name__}: missing/unexpected {leftover[:10]}")
         model.eval()
         return model
 
@@ -177,10 +184,14 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
         }
         config["dtype"] = str(self.embed.weight.dtype).removeprefix("torch.")
-        save_floating_point_checkpoint(
-            self.state_dict().items(), save_directory, config, remote_code_files(),
-            parse_size(max_shard_size), tokenizer=self.engram_tokenizer,
-        )
+        text = config["text_config"]
+        if "rope_parameters" in text:  # transformers >= 5.2x renames it; the release spells it rope_scaling
+            text["rope_scaling"] = {k: v for k, v in text.pop("rope_parameters").items() if k != "rope_theta"}
+        with tempfile.TemporaryDirectory() as scratch:  # Engram's tokenizer travels with the weights
+            files = remote_code_files() + save_tokenizer_files(self.engram_tokenizer, Path(scratch), self.config)
+            save_floating_point_checkpoint(
+                self.state_dict().items(), save_directory, config, files, parse_size(max_shard_size)
+            )
 
 
 class DeepseekV41Model(DeepseekV41PreTrainedModel):
@@ -402,6 +413,21 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def save_tokenizer_files(tokenizer, folder: Path, config) -> list[Path]:
+    """Files of ``tokenizer`` (a transformers or ``tokenizers`` tokenizer) written into ``folder``, plus the
+    checkpoint's ``tokenizer_config.json`` when the tokenizer has none of its own."""
+    if tokenizer is None:
+        return []
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+    else:
+        tokenizer.save(str(folder / "tokenizer.json"))
+        source = Path(getattr(config, "_name_or_path", "") or "") / "tokenizer_config.json"
+        if source.is_file():
+            (folder / source.name).write_bytes(source.read_bytes())
+    return sorted(p for p in folder.iterdir() if p.is_file())
 
 
 def parse_size(size) -> int:

@@ -234,6 +234,17 @@ def test_fp4_nibble_order_and_sign():
     assert math.copysign(1.0, decoded[0, 2].item()) < 0
 
 
+def test_ties_round_to_the_even_code():
+    # FP4 at scale 1 (group amax 6): midpoints go to the level with the even code
+    w = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 6.0, 0.3, -0.0]])
+    decoded = decode_fp4_packed(*encode_fp4_packed(w))
+    assert decoded.tolist() == [[0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -4.0, 6.0, 0.5, -0.0]]
+    # FP8 at scale 1 (block amax 448): 17 lies between 16 (even mantissa) and 18, 19 between 18 and 20
+    w = torch.tensor([[448.0, 17.0, 19.0, -17.0, 0.0009765625 * 1.5]])
+    decoded = decode_fp8_blockwise(*encode_fp8_blockwise(w))
+    assert decoded.tolist() == [[448.0, 16.0, 20.0, -16.0, 0.001953125]]
+
+
 def test_block_size_comes_from_the_argument_not_the_shapes():
     # 48 rows with a [2, 1] grid: a decoder inferring the block as 48 // 2 = 24 gets rows 24..31 wrong
     w = make_weight((48, 32), "normal")

@@ -1,7 +1,6 @@
 """DeepseekV41ImageProcessor: golden patches, the official resize plan, image modes, padding, limits."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,18 +12,21 @@ from deepseek_v41.configuration_deepseek_v41 import DeepseekV41VisionConfig
 from deepseek_v41.image_processing_deepseek_v41 import DeepseekV41ImageProcessor, plan_image_box
 from deepseek_v41.vision import image_span_length, llm_grid
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden" / "v41_tiny_vision"
+
+@pytest.fixture(scope="module")
+def fixture_dir(shared_dir):
+    return shared_dir / "golden" / "v41_tiny_vision"
 
 
 @pytest.fixture(scope="module")
-def golden():
-    return load_file(GOLDEN / "reference" / "golden.safetensors")
+def golden(fixture_dir):
+    return load_file(fixture_dir / "reference" / "golden.safetensors")
 
 
 @pytest.fixture(scope="module")
-def tiny_processor():
+def tiny_processor(fixture_dir):
     """The fixture model's vision config: max_image_tokens 64, min_pixels 1."""
-    vision = json.loads((GOLDEN / "snapshot" / "config.json").read_text())["vision_config"]
+    vision = json.loads((fixture_dir / "snapshot" / "config.json").read_text())["vision_config"]
     return DeepseekV41ImageProcessor.from_vision_config(DeepseekV41VisionConfig(**vision))
 
 

@@ -1,7 +1,6 @@
 """Vision tower, aligner and image-span merge: golden parity, structure, gradients, and every input check."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,24 +25,30 @@ from deepseek_v41.vision import (
     validate_image_inputs,
 )
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden" / "v41_tiny_vision"
 IMAGE_ID = 129264
 BF16_REL_L2 = 1e-2  # bf16 tolerance; measured 0.0 (bit-identical) on CPU
 
 
 @pytest.fixture(scope="module")
-def config():
-    return DeepseekV41Config(**json.loads((GOLDEN / "snapshot" / "config.json").read_text()))
+def fixture_dir(shared_dir):
+    return shared_dir / "golden" / "v41_tiny_vision"
 
 
 @pytest.fixture(scope="module")
-def golden():
-    return load_file(GOLDEN / "reference" / "golden.safetensors")
+def config(fixture_dir):
+    return DeepseekV41Config(**json.loads((fixture_dir / "snapshot" / "config.json").read_text()))
 
 
-def _released_state_dict():
+@pytest.fixture(scope="module")
+def golden(fixture_dir):
+    return load_file(fixture_dir / "reference" / "golden.safetensors")
+
+
+@pytest.fixture(scope="module")
+def released(fixture_dir):
+    """The snapshot's vision weights (``vision.*``, ``aligner.*``, ``image_*``), BF16 as released."""
     state = {}
-    for shard in sorted((GOLDEN / "snapshot").glob("*.safetensors")):
+    for shard in sorted((fixture_dir / "snapshot").glob("*.safetensors")):
         state.update(
             {k: v for k, v in load_file(shard).items() if k.startswith(("vision.", "aligner.", "image_"))}
         )
@@ -68,8 +73,8 @@ def _fixture_grids(golden):
     return torch.tensor([golden[f"image{k}.grid"][1:3].tolist() for k in range(2)])
 
 
-def test_parameter_names_are_the_released_ones(config):
-    state = _released_state_dict()
+def test_parameter_names_are_the_released_ones(config, released):
+    state = released
     tower = DeepseekV41VisionTransformer(config.vision_config)
     aligner = DeepseekV41VisionAligner(config.vision_config, config.text_config.hidden_size)
     ours = {f"vision.{k}": v.shape for k, v in tower.state_dict().items()}
@@ -78,8 +83,8 @@ def test_parameter_names_are_the_released_ones(config):
     assert ours == released
 
 
-def test_tower_and_aligner_match_official_outputs(config, golden):
-    tower, aligner = _tower_and_aligner(config, _released_state_dict())
+def test_tower_and_aligner_match_official_outputs(config, golden, released):
+    tower, aligner = _tower_and_aligner(config, released)
     assert tower.blocks[0].norm1.weight.dtype == torch.float32
     pixel_values = torch.cat([golden["image0.patches"], golden["image1.patches"]])
     with torch.no_grad():
@@ -91,8 +96,8 @@ def test_tower_and_aligner_match_official_outputs(config, golden):
         assert rel <= BF16_REL_L2, f"image {k}: relative L2 {rel:.3e}"
 
 
-def test_attention_stays_inside_each_image(config, golden):
-    tower, _ = _tower_and_aligner(config, _released_state_dict())
+def test_attention_stays_inside_each_image(config, golden, released):
+    tower, _ = _tower_and_aligner(config, released)
     pixel_values = torch.cat([golden["image0.patches"], golden["image1.patches"]])
     grids = _fixture_grids(golden)
     with torch.no_grad():

@@ -108,11 +108,7 @@ class Trainer:
 
     # ---- steps -------------------------------------------------------------------------------------
     def _forward(self, batch) -> tuple:
-        # -> (summed CE over this batch's supervised tokens, their count); the model returns the mean
-        labels, mask = batch["labels"], batch["attention_mask"]
-        count = ((labels[:, 1:] != -100) & (mask[:, 1:] != 0)).sum()
-        out = self.model(**batch)
-        return out.loss * count, count
+        return summed_loss(self.model, batch)
 
     def _all_sum(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().to(torch.float64).clone()
@@ -251,6 +247,13 @@ class Trainer:
     def _print(self, text):
         if self.rank == 0:
             print(text, flush=True)
+
+
+def summed_loss(model, batch: dict) -> tuple:
+    """-> (CE summed over the batch's supervised tokens, their count); the model's loss is their mean."""
+    labels, mask = batch["labels"], batch["attention_mask"]
+    count = ((labels[:, 1:] != -100) & (mask[:, 1:] != 0)).sum()
+    return model(**batch).loss * count, count
 
 
 def average_summed_gradients(replicated: list, summed: list, world: int) -> None:

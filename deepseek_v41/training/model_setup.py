@@ -58,7 +58,7 @@ def build_config(recipe: dict, path: Path) -> DeepseekV41Config:
     _apply_overrides(config.vision_config, cfg["vision_config"], "vision_config")
     config.text_config.validate_layout()
     config.backend = resolve_backend({**config.backend, **cfg["backend"]})
-    config._name_or_path = str(path)
+    config._name_or_path = str(cfg["name_or_path"] or path)
     return config
 
 

@@ -89,10 +89,7 @@ DEFAULTS = {
     },
     "clip_grad_norm": {"max_norm": 1.0},
     "checkpoint": {
-        "enabled": False,
-        "checkpoint_dir": None,
-        "resume_from": None,
-        "export_dir": None,  # floating-point export of the final weights
+        "export_dir": None,  # floating-point export of the final weights (gathered on rank 0)
     },
     "wandb": {
         "enable": False,
@@ -108,6 +105,18 @@ DEFAULTS = {
 OPEN_SECTIONS = ("model.config.text_config", "model.config.vision_config", "model.config.backend")
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# PyYAML follows YAML 1.1, where "1e-5" (no dot) is a string; recipes mean the number.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def _numbers(value):
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    if isinstance(value, str) and _EXPONENT_FLOAT.match(value):
+        return float(value)
+    return value
 
 
 class RecipeError(ValueError):
@@ -193,7 +202,7 @@ def parse_overrides(argv: list) -> dict:
                 raise RecipeError(f"override {arg} has no value; write {arg}=VALUE")
             key, text = arg[2:], argv[i + 1]
             i += 2
-        overrides[key] = yaml.safe_load(text) if text != "" else ""
+        overrides[key] = _numbers(yaml.safe_load(text)) if text != "" else ""
     return overrides
 
 
@@ -202,7 +211,7 @@ def load_recipe(path=None, overrides=None) -> dict:
     recipe = copy.deepcopy(DEFAULTS)
     if path is not None:
         with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
+            loaded = _numbers(yaml.safe_load(f) or {})
         if not isinstance(loaded, dict):
             raise RecipeError(f"{path} must hold a YAML mapping at the top level")
         _merge(recipe, loaded, DEFAULTS)

@@ -1,0 +1,150 @@
+"""CSA2 sparse attention on one GPU: TileLang kernels vs the PyTorch reference, forward and backward.
+
+    python examples/benchmarks/attention.py                      # V4.1 shape: b=1 s=4096 h=64 d=512 k=640
+    python examples/benchmarks/attention.py --variants all --out examples/benchmarks/results/attention_h200.txt
+
+FLOP convention: forward 4·b·s·h·k·d (QKᵀ and P·V), backward 2.5x the forward (QKᵀ recompute, dO·Vᵀ,
+dS·K, dSᵀ·Q, Pᵀ·dO), with k the index slots including empty (-1) ones.  Times are CUDA-event
+medians after warm-up; the backward is the whole autograd backward (Δ, dsink and casts included).
+MFU is against the measured bf16 dense GEMM ceiling of the H200 (~790 TFLOP/s, --peak).
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from deepseek_v41 import kernels_tilelang as kt  # noqa: E402
+from deepseek_v41.sparse_attention import sparse_attention_torch  # noqa: E402
+
+WINDOW = 128
+
+
+def csa2_indices(b, s, ratio, topk, device):
+    # idx [b, s, 128 + topk]: causal window, then a random top-k of the visible compressed entries
+    pos = torch.arange(s, device=device)
+    window = pos.view(s, 1) - torch.arange(WINDOW - 1, -1, -1, device=device).view(1, WINDOW)
+    window = torch.where(window >= 0, window, torch.full_like(window, -1))
+    n_comp = s // ratio
+    visible = (pos + 1) // ratio
+    scores = torch.rand(b, s, n_comp, device=device)
+    scores = scores.masked_fill(torch.arange(n_comp, device=device).view(1, 1, -1) >= visible.view(1, s, 1), -1.0)
+    k = min(topk, n_comp)
+    top = scores.topk(k, dim=-1)
+    comp = torch.where(top.values >= 0, top.indices + s, torch.full_like(top.indices, -1))
+    comp = torch.cat([comp, comp.new_full((b, s, topk - k), -1)], dim=-1)
+    return torch.cat([window.expand(b, s, WINDOW), comp], dim=-1).int().contiguous()
+
+
+def time_ms(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(attn, b, s, h, d, topk, ratio, warmup, reps):
+    """(forward ms, backward ms) of attn(q, kv, sink, idx, scale) at one shape."""
+    torch.manual_seed(0)
+    n = s + s // ratio
+    q = torch.randn(b, s, h, d, device="cuda").bfloat16().requires_grad_()
+    kv = torch.randn(b, n, d, device="cuda").bfloat16().requires_grad_()
+    sink = torch.randn(h, device="cuda").requires_grad_()
+    idx = csa2_indices(b, s, ratio, topk, "cuda")
+    do = torch.randn(b, s, h, d, device="cuda").bfloat16()
+    scale = d**-0.5
+    with torch.no_grad():
+        fwd = time_ms(lambda: attn(q, kv, sink, idx, scale), warmup, reps)
+    out = attn(q, kv, sink, idx, scale)
+    bwd = time_ms(lambda: torch.autograd.grad(out, (q, kv, sink), do, retain_graph=True), warmup, reps)
+    return fwd, bwd
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--b", type=int, default=1)
+    ap.add_argument("--s", type=int, default=4096)
+    ap.add_argument("--h", type=int, default=64)
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--topk", type=int, default=512, help="compressed slots; k = 128 window slots + topk")
+    ap.add_argument("--ratio", type=int, default=1, help="compression ratio: n = s + s // ratio")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--peak", type=float, default=790.0, help="bf16 dense TFLOP/s ceiling for MFU")
+    ap.add_argument("--variants", default="default", help="'default', 'all' or fwd:bwd pairs, e.g. ws:split,simple:fused")
+    ap.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
+    ap.add_argument("--out", type=Path, help="also append the table to this file")
+    args = ap.parse_args()
+
+    ok, reason = kt.tilelang_available()
+    if not ok:
+        sys.exit(reason)
+    b, s, h, d, k = args.b, args.s, args.h, args.d, WINDOW + args.topk
+    fwd_flop = 4 * b * s * h * k * d
+    bwd_flop = 2.5 * fwd_flop
+    if args.variants == "all":
+        variants = [("ws", "split"), ("ws", "fused"), ("simple", "split"), ("simple", "fused")]
+    elif args.variants == "default":
+        variants = [(kt.FWD_VARIANT, kt.BWD_VARIANT)]
+    else:
+        variants = [tuple(v.split(":")) for v in args.variants.split(",")]
+
+    rows = []
+    dev = torch.cuda.get_device_name()
+    header = (
+        f"# {dev}, torch {torch.__version__}; b={b} s={s} h={h} d={d} k={k} (128 window + {args.topk}), "
+        f"n={s + s // args.ratio}; fwd {fwd_flop / 1e9:.1f} GFLOP, bwd {bwd_flop / 1e9:.1f} GFLOP; "
+        f"median of {args.reps} after {args.warmup} warm-up"
+    )
+    for fv, bv in variants:
+        def attn(q, kv, sink, idx, scale, fv=fv, bv=bv):
+            return kt._SparseAttention.apply(q, kv, sink, idx, scale, fv, bv)
+
+        fwd, bwd = measure(attn, b, s, h, d, args.topk, args.ratio, args.warmup, args.reps)
+        rows.append((f"tilelang {fv}/{bv}", s, fwd, bwd, fwd_flop, bwd_flop))
+        print(rows[-1], flush=True)
+
+    if not args.no_reference:
+        ref_s = s
+        while ref_s >= 256:
+            try:
+                fwd, bwd = measure(sparse_attention_torch, b, ref_s, h, d, args.topk, args.ratio, 2, max(3, args.reps // 4))
+                scale_flop = ref_s / s
+                rows.append(("torch reference", ref_s, fwd, bwd, fwd_flop * scale_flop, bwd_flop * scale_flop))
+                break
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                ref_s //= 2
+        else:
+            rows.append(("torch reference", 0, float("nan"), float("nan"), 1, 1))
+        if ref_s != s:
+            header += f"\n# torch reference ran out of memory at s={s}: measured at s={ref_s} (largest that fits)"
+
+    lines = [header, f"{'backend':24s} {'s':>5s} {'fwd ms':>8s} {'fwd TFLOP/s':>12s} {'fwd MFU':>8s} "
+             f"{'bwd ms':>8s} {'bwd TFLOP/s':>12s} {'bwd MFU':>8s}"]
+    for name, rs, fwd, bwd, ff, bf in rows:
+        tf, tb = ff / fwd / 1e9, bf / bwd / 1e9
+        lines.append(
+            f"{name:24s} {rs:5d} {fwd:8.3f} {tf:12.1f} {100 * tf / args.peak:7.1f}% "
+            f"{bwd:8.3f} {tb:12.1f} {100 * tb / args.peak:7.1f}%"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            f.write(text + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Grouped SwiGLU experts on one GPU: ``torch._grouped_mm`` vs a per-expert loop, bf16.
+
+    python examples/benchmarks/experts.py                         # 8192 tokens x top-6, 32 and 48 experts
+    python examples/benchmarks/experts.py --out examples/benchmarks/results/experts_h200.txt
+
+V4.1 expert shape 5120 -> 2304 -> 5120: W13 [E, 2·2304, 5120] (gate and up stacked, one GEMM),
+W2 [E, 5120, 2304].  FLOPs: forward 2·S·(3·5120·2304) for S = tokens·top-k routed rows; forward +
+backward 3x that.  Routing "balanced" gives every expert S/E rows, "zipf" gives expert r a share
+proportional to 1/(r+1) (a skewed router; the tail experts get few rows).  CUDA-event medians.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def time_ms(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def route(rows, experts, kind):
+    # rows per expert, summing to `rows`
+    if kind == "balanced":
+        share = torch.ones(experts)
+    else:
+        share = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+    counts = (share / share.sum() * rows).floor().long()
+    counts[0] += rows - counts.sum()
+    return counts.tolist()
+
+
+def grouped(x, w13, w2, offs):
+    # x [S, D] sorted by expert -> [S, D]
+    h = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+
+
+def loop(x, w13, w2, counts):
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        gate, up = F.linear(x[start : start + c], w13[e]).chunk(2, dim=-1)
+        out.append(F.linear(F.silu(gate) * up, w2[e]))
+        start += c
+    return torch.cat(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--topk", type=int, default=6)
+    ap.add_argument("--experts", default="32,48")
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--inter", type=int, default=2304)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--peak", type=float, default=790.0, help="bf16 dense TFLOP/s ceiling for MFU")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("experts benchmark needs a CUDA GPU")
+
+    D, I = args.hidden, args.inter
+    S = args.tokens * args.topk
+    fwd_flop = 2 * S * 3 * D * I
+    lines = [
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens x top-{args.topk} = {S} rows, "
+        f"SwiGLU {D}->{I}->{D} bf16; fwd {fwd_flop / 1e12:.2f} TFLOP, fwd+bwd {3 * fwd_flop / 1e12:.2f} TFLOP; "
+        f"median of {args.reps} after {args.warmup} warm-up",
+        f"{'E':>3s} {'routing':9s} {'min/max rows':>13s} {'impl':8s} {'fwd ms':>8s} {'fwd TFLOP/s':>12s} "
+        f"{'fwd+bwd ms':>11s} {'fwd+bwd TFLOP/s':>16s} {'MFU fwd':>8s}",
+    ]
+    torch.manual_seed(0)
+    for E in [int(e) for e in args.experts.split(",")]:
+        w13 = (torch.randn(E, 2 * I, D, device="cuda") * D**-0.5).bfloat16().requires_grad_()
+        w2 = (torch.randn(E, D, I, device="cuda") * I**-0.5).bfloat16().requires_grad_()
+        x = torch.randn(S, D, device="cuda").bfloat16().requires_grad_()
+        dy = torch.randn(S, D, device="cuda").bfloat16()
+        for kind in ("balanced", "zipf"):
+            counts = route(S, E, kind)
+            offs = torch.tensor(counts, device="cuda").cumsum(0).int()
+            impls = {"grouped": lambda: grouped(x, w13, w2, offs), "loop": lambda: loop(x, w13, w2, counts)}
+            for name, fn in impls.items():
+                with torch.no_grad():
+                    fwd = time_ms(fn, args.warmup, args.reps)
+
+                def step(fn=fn):
+                    torch.autograd.grad(fn(), (x, w13, w2), dy)
+
+                both = time_ms(step, args.warmup, args.reps)
+                tf, tb = fwd_flop / fwd / 1e9, 3 * fwd_flop / both / 1e9
+                lines.append(
+                    f"{E:3d} {kind:9s} {min(counts):6d}/{max(counts):6d} {name:8s} {fwd:8.3f} {tf:12.1f} "
+                    f"{both:11.3f} {tb:16.1f} {100 * tf / args.peak:7.1f}%"
+                )
+                print(lines[-1], flush=True)
+        del w13, w2, x, dy
+        torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            f.write(text + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

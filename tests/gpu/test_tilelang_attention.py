@@ -1,0 +1,143 @@
+"""TileLang sparse attention and indexer kernels against the PyTorch numerics contract.
+
+Needs a CUDA GPU (Hopper) and the package tilelang; otherwise every GPU test skips with the reason.
+"""
+
+import pytest
+import torch
+
+from deepseek_v41 import kernels_tilelang as kt
+from deepseek_v41.sparse_attention import indexer_scores_torch, sparse_attention_torch
+
+AVAILABLE, REASON = kt.tilelang_available()
+
+WINDOW = 128
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    # relative L2 error; NaN anywhere fails
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def csa2_indices(b, s, ratio, topk, device, gen):
+    """V4.1-style idx [b, s, 128 + topk]: the causal window, then compressed entries offset by s.
+
+    Query 0 sees only itself (its window is {0} and no compressed entry is visible at ratio >= 2);
+    early queries have many -1 slots; the last query of batch 0 has none at all (all -1).
+    """
+    pos = torch.arange(s, device=device)
+    window = pos.view(s, 1) - torch.arange(WINDOW - 1, -1, -1, device=device).view(1, WINDOW)
+    window = torch.where(window >= 0, window, torch.full_like(window, -1))
+    n_comp = s // ratio
+    visible = (pos + 1) // ratio  # compressed entries t < visible[i]
+    scores = torch.rand(b, s, n_comp, device=device, generator=gen)
+    scores = scores.masked_fill(torch.arange(n_comp, device=device).view(1, 1, -1) >= visible.view(1, s, 1), -1.0)
+    k = min(topk, n_comp)
+    top = scores.topk(k, dim=-1)
+    comp = torch.where(top.values >= 0, top.indices + s, torch.full_like(top.indices, -1))
+    comp = torch.cat([comp, comp.new_full((b, s, topk - k), -1)], dim=-1)
+    idx = torch.cat([window.expand(b, s, WINDOW), comp], dim=-1).int()
+    idx[0, -1] = -1
+    return idx
+
+
+def make_case(b, s, h, d, topk, ratio, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n = s + s // ratio
+    q = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(b, n, d, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(h, device="cuda", generator=gen)
+    idx = csa2_indices(b, s, ratio, topk, "cuda", gen)
+    do = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    return q, kv, sink, idx, do
+
+
+SHAPES = [
+    # (b, s, h, d, topk, ratio): k = 128 window slots + topk
+    pytest.param(1, 256, 16, 512, 64, 2, id="b1_s256_h16_k192"),
+    pytest.param(2, 512, 64, 512, 512, 1, id="b2_s512_h64_k640"),
+]
+
+
+def test_availability_reason_names_missing_piece():
+    ok, reason = kt.tilelang_available()
+    if ok:
+        assert reason == ""
+    else:
+        assert "attn backend 'tilelang' needs" in reason
+        assert ("CUDA GPU" in reason) or ("pip install 'deepseek_v41[gpu]'" in reason) or ("Hopper" in reason)
+
+
+@pytest.mark.parametrize("b,s,h,d,topk,ratio", SHAPES)
+@pytest.mark.parametrize("variants", [("ws", "split"), ("simple", "fused")], ids=["ws-split", "simple-fused"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not AVAILABLE, reason=REASON)
+def test_sparse_attention_matches_torch(b, s, h, d, topk, ratio, variants):
+    q, kv, sink, idx, do = make_case(b, s, h, d, topk, ratio, seed=s + h)
+    scale = d**-0.5
+
+    # reference in fp32 from the same bf16 values
+    qr, kvr, sr = (t.detach().float().requires_grad_() for t in (q, kv, sink))
+    out_ref = sparse_attention_torch(qr, kvr, sr, idx, scale)
+    out_ref.backward(do.float())
+
+    qt, kvt, st = (t.detach().clone().requires_grad_() for t in (q, kv, sink))
+    out = kt._SparseAttention.apply(qt, kvt, st, idx, scale, *variants)
+    out.backward(do)
+
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    # the query whose only slot is itself, and the row with no slot at all
+    assert rel_err(out[:, 0], out_ref[:, 0]) < 1e-2
+    assert out[0, -1].abs().max().item() == 0.0
+    errs = {
+        "out": rel_err(out, out_ref),
+        "dq": rel_err(qt.grad, qr.grad),
+        "dkv": rel_err(kvt.grad, kvr.grad),
+        "dsink": rel_err(st.grad, sr.grad),
+    }
+    print(variants, errs)
+    assert all(e < 1e-2 for e in errs.values()), errs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not AVAILABLE, reason=REASON)
+def test_public_entry_point_and_input_errors():
+    q, kv, sink, idx, _ = make_case(1, 128, 64, 512, 64, 2, seed=3)
+    out = kt.sparse_attention_tilelang(q, kv, sink, idx, 512**-0.5)
+    ref = sparse_attention_torch(q, kv, sink, idx, 512**-0.5)
+    assert rel_err(out, ref) < 1e-2
+    with pytest.raises(TypeError, match="bfloat16"):
+        kt.sparse_attention_tilelang(q.float(), kv, sink, idx, 512**-0.5)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        kt.sparse_attention_tilelang(q, kv[:, :, :256], sink, idx, 512**-0.5)
+
+
+@pytest.mark.parametrize("b,s,ratio", [(1, 512, 1), (2, 384, 2)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not AVAILABLE, reason=REASON)
+def test_indexer_scores_match_torch(b, s, ratio):
+    gen = torch.Generator(device="cuda").manual_seed(s)
+    H, D, T_ = 32, 128, s // ratio
+    q = torch.randn(b, s, H, D, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(b, s, H, device="cuda", generator=gen) * (D**-0.5 * H**-0.5)).bfloat16()
+    k = torch.randn(b, T_, D, device="cuda", generator=gen).bfloat16()
+    out = kt.indexer_scores_tilelang(q, w, k, ratio)
+    ref = indexer_scores_torch(q, w, k, ratio)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(out), finite)
+    assert (out[~finite] == float("-inf")).all()
+    assert rel_err(out[finite], ref[finite]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not AVAILABLE, reason=REASON)
+def test_warmup_builds_and_caches():
+    spec = {"b": 1, "s": 128, "n": 192, "h": 64, "d": 512, "k": 192, "scale": 512**-0.5}
+    indexer = {"kind": "indexer", "b": 1, "s": 128, "T": 64, "H": 32, "D": 128, "ratio": 2}
+    built = kt.warmup_tilelang_kernels([spec, indexer])
+    size = len(kt._KERNELS)
+    assert built >= 3 and size >= 3
+    kt.warmup_tilelang_kernels([spec])
+    assert len(kt._KERNELS) == size  # second call hits the in-process cache
