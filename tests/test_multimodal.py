@@ -1,0 +1,90 @@
+"""Text+image through the tiny model with the vision tower on: processor → model → loss → gradients."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import PreTrainedTokenizerFast
+
+from conftest import tiny_model
+from deepseek_v41.image_processing_deepseek_v41 import DeepseekV41ImageProcessor
+from deepseek_v41.processing_deepseek_v41 import IMAGE_PLACEHOLDER, DeepseekV41Processor
+
+VISION = {"num_hidden_layers": 2}
+
+
+@pytest.fixture(scope="module")
+def model(v4_tokenizer):
+    return tiny_model(v4_tokenizer, text={"vocab_size": 129280}, vision=VISION)
+
+
+@pytest.fixture(scope="module")
+def processor(model, tokenizer_file):
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), bos_token="<｜begin▁of▁sentence｜>",
+                                        eos_token="<｜end▁of▁sentence｜>", pad_token="<｜▁pad▁｜>")
+    image_processor = DeepseekV41ImageProcessor.from_vision_config(model.config.vision_config)
+    return DeepseekV41Processor(image_processor, tokenizer, image_token_id=model.config.image_token_id)
+
+
+def image(width, height, seed):
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def batch(processor, texts, images):
+    return dict(processor(text=texts, images=images, return_tensors="pt"))
+
+
+def test_text_image_forward_backward(model, processor):
+    inputs = batch(processor, [f"Look at this {IMAGE_PLACEHOLDER} and describe it.", "Only text here."],
+                   [image(98, 70, 0)])
+    model.train()
+    out = model(**inputs, labels=inputs["input_ids"])
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    out.loss.backward()
+    for name in ("vision.patch_embed.proj.weight", "vision.blocks.1.mlp.w2.weight", "aligner.w1.weight",
+                 "image_start", "image_end", "image_newline"):
+        grad = model.get_parameter(name).grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+    model.zero_grad()
+
+
+def test_image_content_changes_the_output(model, processor):
+    model.eval()
+    text = [f"A picture: {IMAGE_PLACEHOLDER} what is it?"]
+    with torch.no_grad():
+        a = model(**batch(processor, text, [image(84, 56, 1)])).logits
+        b = model(**batch(processor, text, [image(84, 56, 2)])).logits
+    span_start = int((batch(processor, text, [image(84, 56, 1)])["vision_token_types"][0] >= 0).nonzero()[0])
+    torch.testing.assert_close(a[:, :span_start], b[:, :span_start])  # causal: text before the image is unchanged
+    assert not torch.allclose(a[:, span_start:], b[:, span_start:])
+
+
+def test_moving_an_image_moves_its_span(processor):
+    first = batch(processor, [f"{IMAGE_PLACEHOLDER} then words"], [image(56, 56, 3)])
+    later = batch(processor, [f"some words then {IMAGE_PLACEHOLDER}"], [image(56, 56, 3)])
+    span = lambda b: (b["vision_token_types"][0] >= 0).nonzero().flatten()  # noqa: E731
+    assert len(span(first)) == len(span(later))
+    assert span(later)[0] > span(first)[0]
+    types = first["vision_token_types"][0]
+    assert types[span(first)[0]] == 0 and types[span(first)[-1]] == 3
+
+
+def test_image_tokens_close_the_engram_gate(model, processor):
+    inputs = batch(processor, [f"x {IMAGE_PLACEHOLDER} y"], [image(56, 56, 4)])
+    image_mask = inputs["vision_token_types"] >= 0
+    engram = model.layers[1].engram
+    captured = {}
+    hook = engram.register_forward_hook(lambda m, a, o: captured.update(x=a[0], out=o))
+    with torch.no_grad():
+        model(**inputs)
+    hook.remove()
+    delta = (captured["out"].float() - captured["x"].float()).abs().sum(-1).sum(-1)  # [b, s]
+    assert (delta[image_mask] == 0).all() and (delta[~image_mask] > 0).all()
+
+
+def test_mismatched_patches_are_rejected(model, processor):
+    inputs = batch(processor, [f"x {IMAGE_PLACEHOLDER} y"], [image(56, 56, 5)])
+    inputs["pixel_values"] = inputs["pixel_values"][:-1]
+    with pytest.raises(ValueError, match="patch rows"):
+        model(**inputs)
