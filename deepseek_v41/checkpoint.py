@@ -331,11 +331,12 @@ def encode_fp4_packed(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, t
     inverse = torch.ldexp(torch.ones_like(w), -exponent.repeat_interleave(group, 1)[:, : w.shape[1]])
     x = (w * inverse).clamp(-E2M1_MAX, E2M1_MAX)
     magnitude = x.abs()
-    # midpoints between levels k and k+1; a tie goes to the even code: k when k is even, k+1 when odd
-    ties_down = torch.tensor([0.25, 1.25, 2.5, 5.0])  # k = 0, 2, 4, 6: round up only when strictly above
-    ties_up = torch.tensor([0.75, 1.75, 3.5])  # k = 1, 3, 5: round up at the midpoint
-    code = torch.bucketize(magnitude, ties_down, right=False) + torch.bucketize(magnitude, ties_up, right=True)
-    code = code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+    # count the midpoints between levels k and k+1 that |x| passes; a tie goes to the even code, so it
+    # rounds up only from an odd k
+    code = torch.zeros(w.shape, dtype=torch.uint8, device=w.device)
+    for k, midpoint in enumerate((0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)):
+        code += (magnitude >= midpoint) if k % 2 else (magnitude > midpoint)
+    code |= torch.signbit(x).to(torch.uint8) << 3
     packed = code[:, 0::2] | (code[:, 1::2] << 4)
     return packed.view(torch.int8), _exponent_to_e8m0(exponent)
 

@@ -183,9 +183,11 @@ def engram_hash(
         raise ValueError(
             f"image_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(image_mask.shape)}"
         )
-    b = input_ids.shape[0]
+    b, s = input_ids.shape
     n_heads = primes.numel() // (n - 1)
     dev = input_ids.device
+    if s == 0:
+        return torch.zeros(b, 0, (n - 1) * n_heads, dtype=torch.long, device=dev)
     cmap, multipliers = cmap.to(dev), multipliers.to(dev)
     primes, offsets = primes.to(dev), offsets.to(dev)
 
@@ -208,8 +210,9 @@ def engram_hash(
     for k in range(1, n):  # n-1 XOR steps over the slot axis, not over tokens
         mix = mix ^ terms[..., k]
         mixes.append(mix)
-    mix = torch.stack(mixes, -1).repeat_interleave(n_heads, -1)  # [b, s, (n-1)·H]
-    return torch.remainder(mix, primes) + offsets
+    # [b, s, n-1] -> [b, s, (n-1)·H], order-major then head (contiguous: the fastest remainder on CPU)
+    mix = torch.stack(mixes, -1).unsqueeze(-1).expand(b, -1, n - 1, n_heads).flatten(2)
+    return torch.remainder(mix, primes).add_(offsets)
 
 
 class EngramHasher:

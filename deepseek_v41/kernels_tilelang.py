@@ -627,7 +627,7 @@ class _SparseAttention(torch.autograd.Function):
         sink2 = torch.zeros(hp, dtype=torch.float32, device=q.device)
         sink2[:h] = sink.float() * LOG2E
         kvc = kv.contiguous()
-        fwd, bwds = _attn_kernels(b, s, n, hp, d, kp, scale, _device_key(q), fwd_variant, bwd_variant)
+        fwd, _bwds = _attn_kernels(b, s, n, hp, d, kp, scale, _device_key(q), fwd_variant, bwd_variant)
         o = torch.empty_like(qp)
         lse2 = torch.empty((b, s, hp), dtype=torch.float32, device=q.device)
         fwd(qp, kvc, idxp, sink2, o, lse2)
@@ -723,7 +723,7 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
                 continue
             hp = -(-spec["h"] // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
             kp = -(-spec["k"] // SLOT_MULTIPLE) * SLOT_MULTIPLE
-            _, bwds = _attn_kernels(spec["b"], spec["s"], spec["n"], hp, spec["d"], kp, spec["scale"], dev)
+            _fwd, bwds = _attn_kernels(spec["b"], spec["s"], spec["n"], hp, spec["d"], kp, spec["scale"], dev)
             count += 1 + len(bwds)
     return count
 

@@ -80,6 +80,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     input_modalities = ("image", "text")
     _supports_sdpa = False
+    _input_embed_layer = "embed"
     # fp32 islands (architecture.md §4, §7, §8): loaded, kept and trained in fp32 whatever the model dtype.
     _keep_in_fp32_modules_strict = [
         "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
@@ -113,6 +114,18 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         elif hasattr(module, "image_newline"):
             for name in ("image_start", "image_end", "image_newline"):
                 init.normal_(getattr(module, name), std=std)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        """Per-block activation checkpointing, always non-reentrant: the CSA2 state that Full layers publish to
+        later layers must stay on the autograd graph (reentrant checkpointing would cut the compressor off)."""
+        kwargs = dict(gradient_checkpointing_kwargs or {})
+        if kwargs.get("use_reentrant"):
+            raise ValueError(
+                "use_reentrant=True would drop the gradients that reach the compressors through the shared CSA2 "
+                "state; use the default non-reentrant checkpointing"
+            )
+        kwargs["use_reentrant"] = False
+        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def to_empty(self, *, device, recurse: bool = True):
         # Non-persistent derived buffers (Engram hash constants) are garbage after to_empty: restore them.

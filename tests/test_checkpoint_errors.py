@@ -216,7 +216,6 @@ def test_wrong_shape_of_a_stacked_expert(tmp_path):
 
 def test_wrong_scale_shape(tmp_path):
     tensors = released_tensors()
-    q, _ = encode_fp8_blockwise(torch.randn(48, 32))
     tensors["layers.0.attn.wq_a.scale"] = torch.full((2, 2), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     checkpoint = write_checkpoint(tmp_path / "released", tensors)
     assert_rejected(checkpoint, tmp_path, "'layers.0.attn.wq_a.scale'",

@@ -323,6 +323,8 @@ def test_sequence_start_blocks_history():
         [0x45, 0x345, 0x2345],
     ]
     assert got[0].tolist() == want
+    empty = engram_hash(ids[:, :0], cmap, mults, primes, offsets, max_ngram_size=4, pad_id=7)
+    assert empty.shape == (1, 0, 3)
 
 
 def test_image_tokens_block_history():

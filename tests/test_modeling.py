@@ -177,3 +177,19 @@ def test_rms_norm_backends_agree_in_fp32(v4_tokenizer):
     ids = ids_batch(s=32)
     with torch.no_grad():
         torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_activation_checkpointing_gives_identical_gradients(v4_tokenizer):
+    plain = tiny_model(v4_tokenizer).train()
+    checkpointed = tiny_model(v4_tokenizer).train()
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpointed.gradient_checkpointing_enable()
+    ids = ids_batch()
+    plain(ids, labels=ids).loss.backward()
+    checkpointed(ids, labels=ids).loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            assert torch.equal(a.grad, b.grad), name
+    with pytest.raises(ValueError, match="non-reentrant"):
+        checkpointed.gradient_checkpointing_enable({"use_reentrant": True})

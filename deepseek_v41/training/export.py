@@ -27,14 +27,14 @@ def full_state_items(trainer):
     experts = {id(p) for p in trainer.expert_params}
     tables = {id(m.embed.weight): m.table_rows[1] for m in trainer.model.modules() if hasattr(m, "table_rows")}
     ep = trainer.ep_mesh["ep"]
-    for name, value in trainer.model.state_dict(keep_vars=True).items():
-        value = value.detach()
+    for name, tensor in trainer.model.state_dict(keep_vars=True).items():
+        value = tensor.detach()
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        elif id(value) in experts:
-            value = _gather_dim0(value, ep.get_group()) if ep.size() > 1 else value
-        elif id(value) in tables:
-            value = _gather_dim0(value, trainer.engram_group)[: tables[id(value)]]
+        elif id(tensor) in experts and ep.size() > 1:
+            value = _gather_dim0(value, ep.get_group())
+        elif id(tensor) in tables:
+            value = _gather_dim0(value, trainer.engram_group)[: tables[id(tensor)]]
         yield name, value.cpu()
 
 

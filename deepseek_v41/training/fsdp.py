@@ -61,28 +61,29 @@ def parallelize(model: nn.Module, mesh, fsdp_cfg: dict, lm_head_precision: str, 
     Returns the replicated (non-FSDP, non-EP) parameters whose gradients need an all-reduce mean.
     """
     policy = _policies(fsdp_cfg, lm_head_precision)
-    reshard = fsdp_cfg["reshard_after_forward"]
-    shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=reshard)
-    replicated = []
+    replicated = [block.attn.attn_sink for block in model.layers]
+    # Every unit must skip all of them: a unit otherwise adopts any parameter of its subtree that no
+    # inner unit manages (ignored by an inner unit does not mean ignored by the outer one).
+    skip = set(ignored) | set(replicated)
+    shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=fsdp_cfg["reshard_after_forward"],
+                              ignored_params=skip)
     for block in model.layers:
         if fsdp_cfg["activation_checkpointing"]:
             checkpoint_block(block)
-        attn = block.attn
-        compressor = getattr(attn, "compressor", None)
+        compressor = getattr(block.attn, "compressor", None)
         if compressor is not None:
             for name in ("wkv", "wgate"):
                 linear = getattr(compressor, name, None)
                 if linear is not None and linear.weight.dtype == torch.float32:
                     shard(linear, mp_policy=policy["fp32"])
-        replicated.append(attn.attn_sink)
-        shard(attn, mp_policy=policy["bf16"], ignored_params={attn.attn_sink})
+        shard(block.attn, mp_policy=policy["bf16"])
         shard(block.attn_norm, mp_policy=policy["bf16"])
         shard(block.ffn_norm, mp_policy=policy["bf16"])
         if block.engram is not None:
-            shard(block.engram, mp_policy=policy["bf16"], ignored_params=ignored)
-        shard(block.ffn, mp_policy=policy["bf16"], ignored_params=ignored)
+            shard(block.engram, mp_policy=policy["bf16"])
+        shard(block.ffn, mp_policy=policy["bf16"])
         shard(block, mp_policy=policy["fp32"])
     shard(model.embed, mp_policy=policy["bf16"])
     shard(model.norm, mp_policy=policy["bf16"])
-    shard(model, mp_policy=policy["head"], ignored_params=set(ignored) | set(replicated))
+    shard(model, mp_policy=policy["head"])
     return replicated

@@ -21,8 +21,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from deepseek_v41.training import data as data_lib
-from deepseek_v41.training.engram_owner import apply_row_owner_engram
-from deepseek_v41.training.expert_parallel import apply_expert_parallel, replicated_expert_grads
+from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_modules
+from deepseek_v41.training.expert_parallel import (
+    apply_expert_parallel,
+    replicated_expert_grads,
+    routed_expert_modules,
+)
 from deepseek_v41.training.fsdp import parallelize
 from deepseek_v41.training.model_setup import build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
@@ -62,13 +66,17 @@ class Trainer:
                 f"distributed.ep_size={ep} needs an expert-parallel dispatcher; set "
                 "--model.config.backend.dispatcher=torch (all-to-all) or hybridep"
             )
-        self.expert_params = apply_expert_parallel(self.model, self.ep_mesh, dispatcher)
+        expert_params = apply_expert_parallel(self.model, self.ep_mesh, dispatcher)
         self.engram_group = dist.new_group(list(range(self.world)))
-        self.table_params = apply_row_owner_engram(self.model, self.engram_group)
+        table_params = apply_row_owner_engram(self.model, self.engram_group)
         self.dp_mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
-        ignored = set(self.expert_params) | set(self.table_params)
-        self.replicated = parallelize(self.model, self.dp_mesh, r["fsdp"], r["model"]["lm_head_precision"], ignored)
+        parallelize(self.model, self.dp_mesh, r["fsdp"], r["model"]["lm_head_precision"],
+                    set(expert_params) | set(table_params))
         self.model.to_empty(device=self.device)
+        # to_empty may replace Parameter objects: collect the special groups again from their modules.
+        self.expert_params = [p for m in routed_expert_modules(self.model) for p in m.parameters()]
+        self.table_params = [m.embed.weight for m in engram_modules(self.model)]
+        self.replicated = [block.attn.attn_sink for block in self.model.layers]
         load_sharded_checkpoint(self.model, self.path, dequantize=r["model"]["dequantize_base_checkpoint"])
         self.model.train()
 

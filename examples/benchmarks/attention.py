@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from deepseek_v41 import kernels_tilelang as kt  # noqa: E402
-from deepseek_v41.sparse_attention import sparse_attention_torch  # noqa: E402
+from deepseek_v41 import kernels_tilelang as kt
+from deepseek_v41.sparse_attention import sparse_attention_torch
 
 WINDOW = 128
 
@@ -130,8 +130,11 @@ def main():
         if ref_s != s:
             header += f"\n# torch reference ran out of memory at s={s}: measured at s={ref_s} (largest that fits)"
 
-    lines = [header, f"{'backend':24s} {'s':>5s} {'fwd ms':>8s} {'fwd TFLOP/s':>12s} {'fwd MFU':>8s} "
-             f"{'bwd ms':>8s} {'bwd TFLOP/s':>12s} {'bwd MFU':>8s}"]
+    columns = (
+        f"{'backend':24s} {'s':>5s} {'fwd ms':>8s} {'fwd TFLOP/s':>12s} {'fwd MFU':>8s} "
+        f"{'bwd ms':>8s} {'bwd TFLOP/s':>12s} {'bwd MFU':>8s}"
+    )
+    lines = [header, columns]
     for name, rs, fwd, bwd, ff, bf in rows:
         tf, tb = ff / fwd / 1e9, bf / bwd / 1e9
         lines.append(

@@ -59,6 +59,33 @@ def loop(x, w13, w2, counts):
     return torch.cat(out)
 
 
+def bench_experts(E, S, D, I, fwd_flop, args):
+    """Table rows for E local experts: grouped vs loop, balanced vs Zipf routing."""
+    w13 = (torch.randn(E, 2 * I, D, device="cuda") * D**-0.5).bfloat16().requires_grad_()
+    w2 = (torch.randn(E, D, I, device="cuda") * I**-0.5).bfloat16().requires_grad_()
+    x = torch.randn(S, D, device="cuda").bfloat16().requires_grad_()
+    dy = torch.randn(S, D, device="cuda").bfloat16()
+    rows = []
+    for kind in ("balanced", "zipf"):
+        counts = route(S, E, kind)
+        offs = torch.tensor(counts, device="cuda").cumsum(0).int()
+        impls = {
+            "grouped": lambda offs=offs: grouped(x, w13, w2, offs),
+            "loop": lambda counts=counts: loop(x, w13, w2, counts),
+        }
+        for name, fn in impls.items():
+            with torch.no_grad():
+                fwd = time_ms(fn, args.warmup, args.reps)
+            both = time_ms(lambda fn=fn: torch.autograd.grad(fn(), (x, w13, w2), dy), args.warmup, args.reps)
+            tf, tb = fwd_flop / fwd / 1e9, 3 * fwd_flop / both / 1e9
+            rows.append(
+                f"{E:3d} {kind:9s} {min(counts):6d}/{max(counts):6d} {name:8s} {fwd:8.3f} {tf:12.1f} "
+                f"{both:11.3f} {tb:16.1f} {100 * tf / args.peak:7.1f}%"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
@@ -78,37 +105,15 @@ def main():
     S = args.tokens * args.topk
     fwd_flop = 2 * S * 3 * D * I
     lines = [
-        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens x top-{args.topk} = {S} rows, "
+        (f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens x top-{args.topk} = {S} rows, "
         f"SwiGLU {D}->{I}->{D} bf16; fwd {fwd_flop / 1e12:.2f} TFLOP, fwd+bwd {3 * fwd_flop / 1e12:.2f} TFLOP; "
-        f"median of {args.reps} after {args.warmup} warm-up",
-        f"{'E':>3s} {'routing':9s} {'min/max rows':>13s} {'impl':8s} {'fwd ms':>8s} {'fwd TFLOP/s':>12s} "
-        f"{'fwd+bwd ms':>11s} {'fwd+bwd TFLOP/s':>16s} {'MFU fwd':>8s}",
+        f"median of {args.reps} after {args.warmup} warm-up"),
+        (f"{'E':>3s} {'routing':9s} {'min/max rows':>13s} {'impl':8s} {'fwd ms':>8s} {'fwd TFLOP/s':>12s} "
+        f"{'fwd+bwd ms':>11s} {'fwd+bwd TFLOP/s':>16s} {'MFU fwd':>8s}"),
     ]
     torch.manual_seed(0)
     for E in [int(e) for e in args.experts.split(",")]:
-        w13 = (torch.randn(E, 2 * I, D, device="cuda") * D**-0.5).bfloat16().requires_grad_()
-        w2 = (torch.randn(E, D, I, device="cuda") * I**-0.5).bfloat16().requires_grad_()
-        x = torch.randn(S, D, device="cuda").bfloat16().requires_grad_()
-        dy = torch.randn(S, D, device="cuda").bfloat16()
-        for kind in ("balanced", "zipf"):
-            counts = route(S, E, kind)
-            offs = torch.tensor(counts, device="cuda").cumsum(0).int()
-            impls = {"grouped": lambda: grouped(x, w13, w2, offs), "loop": lambda: loop(x, w13, w2, counts)}
-            for name, fn in impls.items():
-                with torch.no_grad():
-                    fwd = time_ms(fn, args.warmup, args.reps)
-
-                def step(fn=fn):
-                    torch.autograd.grad(fn(), (x, w13, w2), dy)
-
-                both = time_ms(step, args.warmup, args.reps)
-                tf, tb = fwd_flop / fwd / 1e9, 3 * fwd_flop / both / 1e9
-                lines.append(
-                    f"{E:3d} {kind:9s} {min(counts):6d}/{max(counts):6d} {name:8s} {fwd:8.3f} {tf:12.1f} "
-                    f"{both:11.3f} {tb:16.1f} {100 * tf / args.peak:7.1f}%"
-                )
-                print(lines[-1], flush=True)
-        del w13, w2, x, dy
+        lines += bench_experts(E, S, D, I, fwd_flop, args)
         torch.cuda.empty_cache()
     text = "\n".join(lines)
     print(text)

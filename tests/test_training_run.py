@@ -1,0 +1,74 @@
+"""The CPU recipe end to end under torchrun (2 gloo ranks): metrics, validation, export, bad-recipe errors."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
+
+
+def finetune(*overrides, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "examples" / "finetune.py"), str(RECIPE), *overrides]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def read_metrics(out_dir: Path) -> tuple:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+
+
+def test_short_run_writes_metrics_validation_and_export(tmp_path):
+    ckpt, out, export = tmp_path / "ckpt", tmp_path / "run", tmp_path / "export"
+    result = finetune(f"--model.config.pretrained_model_name_or_path={ckpt}", f"--output_dir={out}",
+                      "--step_scheduler.max_steps=4", "--step_scheduler.val_every_steps=2",
+                      "--validation_dataset.num_samples_limit=4", f"--checkpoint.export_dir={export}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "creating the tiny checkpoint" in result.stdout and "tokens/s" in result.stdout
+    steps, vals = read_metrics(out)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["step"] for r in vals] == [2, 4]
+    for r in steps:
+        assert set(r) == {"step", "loss", "grad_norm", "lr", "tokens_per_s"}
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["tokens_per_s"] > 0
+    assert steps[0]["lr"] == 0.0 and steps[1]["lr"] > 0  # warmup from 0
+    assert all(math.isfinite(v["val_loss"]) for v in vals)
+
+    import torch
+
+    from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
+
+    model = DeepseekV41ForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
+    assert model.head.weight.dtype == torch.float32 and model.layers[1].engram.embed.weight.shape[0] == 1464
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--distributed.ep_size=3", "not divisible by distributed.ep_size=3"),
+    ("--distributed.tp_size=2", "tensor parallelism is not supported"),
+    ("--optimizer.learning_rate=1", "did you mean optimizer.lr"),
+])
+def test_bad_recipes_fail_with_the_fix(tmp_path, override, message):
+    result = finetune(f"--model.config.pretrained_model_name_or_path={tmp_path / 'none'}",
+                      "--model.make_tiny_checkpoint_if_missing=false", override, timeout=120)
+    assert result.returncode != 0 and message in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_tiny_recipe_100_updates_learns(tmp_path):
+    """The README command: 100 updates, validation after 50 and 100, loss falls, everything finite."""
+    out = tmp_path / "run"
+    result = finetune(f"--model.config.pretrained_model_name_or_path={tmp_path / 'ckpt'}", f"--output_dir={out}",
+                      timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    steps, vals = read_metrics(out)
+    assert len(steps) == 100 and [v["step"] for v in vals] == [50, 100]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
+    first, last = sum(r["loss"] for r in steps[:10]) / 10, sum(r["loss"] for r in steps[-10:]) / 10
+    assert last < first - 1.0, (first, last)
+    assert vals[1]["val_loss"] < vals[0]["val_loss"]
