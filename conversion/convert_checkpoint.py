@@ -7,7 +7,8 @@ bf16); F32 and BF16 tensors are copied as they are. Tensor names stay the releas
 tensors and `quantization_config` go. Before anything is written, names, shapes and dtypes are checked
 against `DeepseekV41ForCausalLM` built on the meta device from SRC's config (no weights in memory).
 Tensors then stream in row blocks, so memory stays small even for the Engram tables, and DST appears
-only once complete. The modeling `.py` files and SRC's tokenizer files are copied next to the weights.
+only once complete. The modeling `.py` files (with `auto_map`) and SRC's tokenizer files are copied
+next to the weights, so DST loads with `trust_remote_code=True` or `DeepseekV41ForCausalLM.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-import deepseek_v41.checkpoint as checkpoint_module
 from deepseek_v41.checkpoint import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -32,59 +32,58 @@ from deepseek_v41.checkpoint import (
 
 AUTO_MAP = {
     "AutoConfig": "configuration_deepseek_v41.DeepseekV41Config",
+    "AutoModel": "modeling_deepseek_v41.DeepseekV41Model",
     "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
 }
 
 
-def build_meta_model(config: dict) -> torch.nn.Module:
-    """`DeepseekV41ForCausalLM` for `config` on the meta device: parameter names and shapes, no memory."""
+def build_meta_model(src: Path) -> torch.nn.Module:
+    """`DeepseekV41ForCausalLM` for SRC's config on the meta device: parameter names and shapes, no memory."""
     from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
 
+    config = DeepseekV41Config.from_pretrained(src)
+    config._name_or_path = str(src)  # Engram builds its hash map from SRC's tokenizer
     with torch.device("meta"):
-        return DeepseekV41ForCausalLM(DeepseekV41Config.from_dict(config))
+        return DeepseekV41ForCausalLM(config)
 
 
-def files_to_copy(src: Path) -> tuple[list[Path], bool]:
-    """The modeling `.py` files (and whether they make a loadable remote-code model) plus SRC's other files."""
-    package = Path(checkpoint_module.__file__).parent  # the flat modeling path
-    code = sorted(p for p in package.glob("*.py") if p.name != "__init__.py")
-    remote_code = {"configuration_deepseek_v41.py", "modeling_deepseek_v41.py"} <= {p.name for p in code}
+def files_to_copy(src: Path) -> list[Path]:
+    """The modeling files a remote-code checkpoint needs, plus SRC's other files (tokenizer, ...)."""
+    from deepseek_v41.modeling_deepseek_v41 import remote_code_files
+
     weights = {CONFIG_FILE, INDEX_FILE}
     extras = sorted(p for p in src.iterdir()
                     if p.is_file() and p.name not in weights and p.suffix not in (".safetensors", ".py"))
-    return code + extras, remote_code
+    return remote_code_files() + extras
 
 
 def convert(
     src: str | Path,
     dst: str | Path,
     *,
-    build_model: Callable[[dict], torch.nn.Module] | None = build_meta_model,
+    build_model: Callable[[Path], torch.nn.Module] | None = build_meta_model,
     max_shard_bytes: int = 5 << 30,
     drop_mtp: bool = False,
 ) -> LoadReport | None:
     """Released checkpoint SRC -> floating-point checkpoint DST; returns the model check's report.
 
-    `build_model(config_dict)` gives the model to check names and shapes against (meta device is fine);
-    None skips that check.
+    `build_model(src)` gives the model to check names and shapes against (meta device is fine); None skips
+    that check.
     """
     src, dst = Path(src), Path(dst)
     checkpoint = ReleasedCheckpoint(src)
     if checkpoint.config is None:
         raise CheckpointError(f"{src / CONFIG_FILE} is missing: the export needs the model config")
-    report = check_checkpoint_matches_model(build_model(checkpoint.config), checkpoint) if build_model else None
+    report = check_checkpoint_matches_model(build_model(src), checkpoint) if build_model else None
     # shard by shard, so the source files are read in order
     names = sorted(checkpoint.tensors, key=lambda n: (checkpoint.tensors[n].record.file, n))
     if drop_mtp:
         names = [n for n in names if not n.startswith("mtp.")]
     items = ((name, checkpoint.as_row_blocks(name, None if checkpoint.tensors[name].fmt == "plain"
                                              else torch.bfloat16)) for name in names)
-    copies, remote_code = files_to_copy(src)
-    config = dict(checkpoint.config)
-    if remote_code:
-        config["auto_map"] = AUTO_MAP
-    save_floating_point_checkpoint(items, dst, config, copies, max_shard_bytes)
+    config = dict(checkpoint.config, auto_map=AUTO_MAP)
+    save_floating_point_checkpoint(items, dst, config, files_to_copy(src), max_shard_bytes)
     return report
 
 

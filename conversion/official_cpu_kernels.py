@@ -72,7 +72,8 @@ def _scales_as(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
 
 def act_quant(x: torch.Tensor, block_size: int = 32, scale_fmt: str | None = None,
               scale_dtype: torch.dtype = torch.float32, inplace: bool = False):
-    """x [..., k] -> (FP8 e4m3 [..., k], scale [..., k / block_size]); ``inplace``: x <- dequantized, returns x.
+    """x [..., k] -> (FP8 e4m3 [..., k], scale [..., k / block_size]); ``inplace``: x <- dequantized, returns
+    x.
 
     ``scale_fmt`` set (``"ue8m0"``) or a UE8M0 ``scale_dtype``: power-of-two scales 2^ceil(log2(amax / 448));
     otherwise the plain fp32 scale amax / 448. amax is floored at 1e-4.
@@ -190,7 +191,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torc
 def install(name: str = "kernel") -> types.ModuleType:
     """Register a module ``name`` holding exactly the six stand-ins in ``sys.modules`` (before the official
     ``model.py`` is imported) and reset ``CALLS``. Returns that module."""
-    module = types.ModuleType(name, "CPU stand-ins for the official DeepSeek-V4.1 kernels (official_cpu_kernels)")
+    module = types.ModuleType(name, "CPU stand-ins of the official DeepSeek-V4.1 kernels")
     for kernel in KERNELS:
         setattr(module, kernel, globals()[kernel])
     sys.modules[name] = module

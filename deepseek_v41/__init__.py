@@ -8,8 +8,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
 from .image_processing_deepseek_v41 import DeepseekV41ImageProcessor
-from .processing_deepseek_v41 import DeepseekV41Processor, register_processors
 from .modeling_deepseek_v41 import DeepseekV41ForCausalLM, DeepseekV41Model, DeepseekV41PreTrainedModel
+from .processing_deepseek_v41 import DeepseekV41Processor, register_processors
 
 for _config in (DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig):
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
@@ -18,7 +18,12 @@ AutoModelForCausalLM.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_o
 register_processors()
 
 __all__ = [
-    "DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig",
-    "DeepseekV41PreTrainedModel", "DeepseekV41Model", "DeepseekV41ForCausalLM",
-    "DeepseekV41ImageProcessor", "DeepseekV41Processor",
+    "DeepseekV41Config",
+    "DeepseekV41ForCausalLM",
+    "DeepseekV41ImageProcessor",
+    "DeepseekV41Model",
+    "DeepseekV41PreTrainedModel",
+    "DeepseekV41Processor",
+    "DeepseekV41TextConfig",
+    "DeepseekV41VisionConfig",
 ]

@@ -77,7 +77,7 @@ class Compressor(nn.Module):
         # x [b, s, dim] -> pre-RoPE latent [b, s // ratio, head_dim]; a trailing partial group is dropped
         if self.ratio == 1:
             return self.norm(self.wkv(x))
-        b, s, _ = x.shape
+        s = x.shape[1]
         T = s // self.ratio
         x32 = x[:, : T * self.ratio].float()
         kv = self.wkv(x32).unflatten(1, (T, self.ratio))  # [b, T, r, head_dim] fp32
@@ -112,7 +112,7 @@ class Indexer(nn.Module):
 
 def candidate_blocks(scores: torch.Tensor, ratio: int, block: int, topk_blocks: int) -> torch.Tensor:
     """Stage 1 of the two-level top-k (§5.5): bool [b, s, T], True inside the kept blocks of each query."""
-    b, s, T = scores.shape
+    s, T = scores.shape[1:]
     n_blocks = -(-T // block)
     padded = nn.functional.pad(scores, (0, n_blocks * block - T), value=float("-inf"))
     block_scores = padded.unflatten(-1, (n_blocks, block)).amax(-1)  # [b, s, n_blocks]

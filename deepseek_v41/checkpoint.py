@@ -992,7 +992,7 @@ def save_floating_point_checkpoint(
             logger.info("dropping quantization_config: the export holds floating-point weights")
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         for f in files:
-            shutil.copy2(f, staging / f.name)
+            shutil.copyfile(f, staging / f.name)
         _replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

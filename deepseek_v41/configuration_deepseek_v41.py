@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 
 from .backends import resolve_backend
 
+
 class DeepseekV41TextConfig(PretrainedConfig):
     model_type = "deepseek_v41_text"
     base_config_key = "text_config"

@@ -12,7 +12,11 @@ import torch
 from torch import nn
 
 from .engram_hashing import (
-    build_compression_map, engram_hash, engram_multipliers, engram_offsets, engram_primes,
+    build_compression_map,
+    engram_hash,
+    engram_multipliers,
+    engram_offsets,
+    engram_primes,
 )
 from .layers import make_linear
 

@@ -10,10 +10,12 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   in fp32 with the exponent in base 2, probabilities rounded to bf16 before P·V, and the sink
   ``exp(sink_h)`` added to the denominator at the end.  It saves the base-2 log-sum-exp
   ``lse2 = log2(sum_t exp(logit_t) + exp(sink_h))``, which the backward reuses.
-* backward: recomputes ``P = exp2(logit·log2e − lse2)`` per block, ``dS = P·(dP − Δ)`` with
-  ``Δ = rowsum(dO·O)``, accumulates ``dq`` in registers and scatter-adds
-  ``dkv[idx] += scale·dSᵀQ + Pᵀ dO`` with fp32 atomics (order-dependent rounding: ``dkv`` is not
-  bit-deterministic).  ``dsink_h = −Σ p_sink·Δ`` is a cheap elementwise reduction in PyTorch.
+* backward, two kernels: the first computes ``Δ = rowsum(dO·O)``, recomputes
+  ``P = exp2(logit·log2e − lse2)`` per block, writes ``dS = scale·P·(dP − Δ)`` (bf16) and
+  scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO`` with fp32 atomics (order-dependent rounding: ``dkv``
+  is not bit-deterministic); the second gathers again for ``dq = dS·kv[idx]``.  Splitting keeps
+  the [64, d] dq accumulator out of the first kernel's registers.  ``dsink_h = −Σ p_sink·Δ`` is a
+  cheap elementwise reduction in PyTorch.
 * FLOP convention of the benchmarks: forward ``4·b·s·h·k·d`` (QKᵀ and PV), backward 2.5× that
   (QKᵀ recompute, dO·Vᵀ, dS·K, dSᵀ·Q, Pᵀ·dO), with ``k`` the number of index slots (padding and
   empty slots included).
@@ -168,8 +170,11 @@ def _build_attn_fwd_ws(batch, seq, n_kv, heads, dim, slots, scale):
     # Warp-specialised forward, same contract as _build_attn_fwd (slots % 128 == 0).
     # 384 threads: warpgroup 0 runs QKᵀ, the softmax and P·V for the left half of d; warpgroup 1
     # runs P·V for the right half; warpgroup 2 gathers the next rows into two shared-memory stages,
-    # so the gather, QKᵀ(i+1) and P·V(i) overlap.
+    # so the gather, QKᵀ(i+1) and P·V(i) overlap.  All synchronisation is explicit (mbarriers
+    # between warpgroups, named barriers BAR_WG0/BAR_WG1 inside one): TileLang's automatic
+    # shared-memory syncs are switched off for this kernel, as they would span warpgroups.
     HB, BI = HEADS_PER_BLOCK, SLOTS_PER_BLOCK
+    BAR_WG0, BAR_WG1 = 8, 9
     half = dim // 2
     n_hblk, n_pairs = heads // HB, slots // (2 * BI)
     c = scale * LOG2E
@@ -213,9 +218,11 @@ def _build_attn_fwd_ws(batch, seq, n_kv, heads, dim, slots, scale):
             acc_o[h, d] = acc_o[h, d] * alpha[h]
         if blk > 0:
             T.barrier_wait(p_free, (blk - 1) & 1)  # warpgroup 1 has read P(blk - 1)
+        T.sync_threads(BAR_WG0, 128)  # and so has this warpgroup's last P·V
         T.copy(acc_s, p_s)
         T.copy(alpha, alpha_s)
-        T.fence_proxy_async()
+        T.fence_proxy_async()  # P is read by wgmma (async proxy) next
+        T.sync_threads(BAR_WG0, 128)
         T.barrier_arrive(p_ready)
         T.gemm(p_s, kv_l, acc_o)
         T.barrier_arrive(free[st])
@@ -305,6 +312,7 @@ def _build_attn_fwd_ws(batch, seq, n_kv, heads, dim, slots, scale):
                 for h, d in T.Parallel(HB, half):
                     acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
                 T.copy(acc_o_l, q_l)
+                T.sync_threads(BAR_WG0, 128)
                 T.copy(q_l, O[bz, s_i, h0 : h0 + HB, 0:half])
                 T.copy(lse, Lse2[bz, s_i, h0 : h0 + HB])
             elif tx < 256:
@@ -317,6 +325,7 @@ def _build_attn_fwd_ws(batch, seq, n_kv, heads, dim, slots, scale):
                 for h, d in T.Parallel(HB, half):
                     acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
                 T.copy(acc_o_r, q_r)  # warpgroup 0 read q_r for the last time before arriving at fin
+                T.sync_threads(BAR_WG1, 128)
                 T.copy(q_r, O[bz, s_i, h0 : h0 + HB, half:dim])
             else:
                 T.set_max_nreg(80, 0)
@@ -327,79 +336,13 @@ def _build_attn_fwd_ws(batch, seq, n_kv, heads, dim, slots, scale):
     return attn_fwd_ws
 
 
-def _build_attn_bwd(batch, seq, n_kv, heads, dim, slots, scale, block=32, threads=256, stages=2):
-    # Q, dO [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Lse2, Delta [b, s, H] fp32
-    # -> dQ [b, s, H, d] bf16, dKV [b, n, d] fp32 (zero-initialised; accumulated with atomics)
-    HB, BI = HEADS_PER_BLOCK, block
-    n_hblk, n_steps = heads // HB, slots // BI
-    c = scale * LOG2E
-    bf16, f32 = "bfloat16", "float32"
-
-    @T.prim_func
-    def attn_bwd(
-        Q: T.Tensor([batch, seq, heads, dim], bf16),
-        KV: T.Tensor([batch, n_kv, dim], bf16),
-        dO: T.Tensor([batch, seq, heads, dim], bf16),
-        Idx: T.Tensor([batch, seq, slots], "int32"),
-        Lse2: T.Tensor([batch, seq, heads], f32),
-        Delta: T.Tensor([batch, seq, heads], f32),
-        dQ: T.Tensor([batch, seq, heads, dim], bf16),
-        dKV: T.Tensor([batch, n_kv, dim], f32),
-    ):
-        with T.Kernel(seq * n_hblk, batch, threads=threads) as (bx, bz):
-            s_i = bx // n_hblk
-            h0 = (bx % n_hblk) * HB
-            q_s = T.alloc_shared([HB, dim], bf16)
-            do_s = T.alloc_shared([HB, dim], bf16)
-            kv_s = T.alloc_shared([BI, dim], bf16)
-            p_s = T.alloc_shared([HB, BI], bf16)
-            ds_s = T.alloc_shared([HB, BI], bf16)
-            rows = T.alloc_shared([BI], "int32")
-            acc_s = T.alloc_fragment([HB, BI], f32)
-            acc_dp = T.alloc_fragment([HB, BI], f32)
-            acc_dq = T.alloc_fragment([HB, dim], f32)
-            acc_dkv = T.alloc_fragment([BI, dim], f32)
-            lse = T.alloc_fragment([HB], f32)
-            delta = T.alloc_fragment([HB], f32)
-
-            T.copy(Q[bz, s_i, h0 : h0 + HB, :], q_s)
-            T.copy(dO[bz, s_i, h0 : h0 + HB, :], do_s)
-            T.copy(Lse2[bz, s_i, h0 : h0 + HB], lse)
-            T.copy(Delta[bz, s_i, h0 : h0 + HB], delta)
-            T.fill(acc_dq, 0)
-
-            for it in T.Pipelined(n_steps, num_stages=stages):
-                for r in T.Parallel(BI):
-                    rows[r] = Idx[bz, s_i, it * BI + r]
-                for r, d in T.Parallel(BI, dim):
-                    kv_s[r, d] = KV[bz, T.max(Idx[bz, s_i, it * BI + r], 0), d]
-                T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                # P = softmax probability (sink included in lse); empty slots get P = 0
-                for h, r in T.Parallel(HB, BI):
-                    acc_s[h, r] = T.if_then_else(rows[r] >= 0, T.exp2(acc_s[h, r] * c - lse[h]), 0)
-                for h, r in T.Parallel(HB, BI):
-                    acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale
-                T.copy(acc_s, p_s)
-                T.copy(acc_dp, ds_s)
-                T.gemm(ds_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(ds_s, q_s, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                for r, d in T.Parallel(BI, dim):
-                    if rows[r] >= 0:
-                        T.atomic_add(dKV[bz, rows[r], d], acc_dkv[r, d])
-
-            T.copy(acc_dq, q_s)
-            T.copy(q_s, dQ[bz, s_i, h0 : h0 + HB, :])
-
-    return attn_bwd
-
-
 def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, threads=256, stages=1):
-    # First half of the split backward: dKV and dS, no dQ (so no [64, d] accumulator competes
-    # for registers).  Same inputs as _build_attn_bwd -> dS [b, s, H, k] bf16 (already times
-    # the softmax scale), dKV [b, n, d] fp32 accumulated with atomics.
-    HB, BI = HEADS_PER_BLOCK, block
+    # Backward, first kernel: Δ, dS and dKV (dQ is left to _build_attn_bwd_q, so no [64, d]
+    # accumulator competes for registers here).
+    # Q, O, dO [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Lse2 [b, s, H] fp32
+    # -> Delta [b, s, H] fp32 (rowsum dO·O), dS [b, s, H, k] bf16 (times the softmax scale),
+    #    dKV [b, n, d] fp32 (zero-initialised, accumulated with atomics)
+    HB, BI, DC = HEADS_PER_BLOCK, block, 64
     n_hblk, n_steps = heads // HB, slots // BI
     c = scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
@@ -408,6 +351,7 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
     def attn_bwd_kv(
         Q: T.Tensor([batch, seq, heads, dim], bf16),
         KV: T.Tensor([batch, n_kv, dim], bf16),
+        O: T.Tensor([batch, seq, heads, dim], bf16),
         dO: T.Tensor([batch, seq, heads, dim], bf16),
         Idx: T.Tensor([batch, seq, slots], "int32"),
         Lse2: T.Tensor([batch, seq, heads], f32),
@@ -424,9 +368,13 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
             p_s = T.alloc_shared([HB, BI], bf16)
             ds_s = T.alloc_shared([HB, BI], bf16)
             idx_s = T.alloc_shared([slots], "int32")
+            delta_s = T.alloc_shared([HB], f32)
             acc_s = T.alloc_fragment([HB, BI], f32)
             acc_dp = T.alloc_fragment([HB, BI], f32)
             acc_dkv = T.alloc_fragment([BI, dim], f32)
+            part = T.alloc_fragment([HB, DC], f32)
+            part_sum = T.alloc_fragment([HB], f32)
+            delta_acc = T.alloc_fragment([HB], f32)
             lse = T.alloc_fragment([HB], f32)
             delta = T.alloc_fragment([HB], f32)
 
@@ -434,13 +382,24 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
             T.copy(dO[bz, s_i, h0 : h0 + HB, :], do_s)
             T.copy(Idx[bz, s_i, :], idx_s)
             T.copy(Lse2[bz, s_i, h0 : h0 + HB], lse)
-            T.copy(Delta[bz, s_i, h0 : h0 + HB], delta)
+            # Δ = rowsum(dO·O) in fp32, DC columns at a time
+            T.fill(delta_acc, 0)
+            for cc in T.serial(dim // DC):
+                for h, d in T.Parallel(HB, DC):
+                    part[h, d] = T.Cast(f32, do_s[h, cc * DC + d]) * T.Cast(f32, O[bz, s_i, h0 + h, cc * DC + d])
+                T.reduce_sum(part, part_sum, dim=1)
+                for h in T.Parallel(HB):
+                    delta_acc[h] = delta_acc[h] + part_sum[h]
+            T.copy(delta_acc, delta_s)
+            T.copy(delta_s, Delta[bz, s_i, h0 : h0 + HB])
+            T.copy(delta_s, delta)
 
             for it in T.Pipelined(n_steps, num_stages=stages):
                 for r, d in T.Parallel(BI, dim):
                     kv_s[r, d] = KV[bz, T.max(idx_s[it * BI + r], 0), d]
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                # P = softmax probability (sink included in lse2); empty slots get P = 0
                 for h, r in T.Parallel(HB, BI):
                     acc_s[h, r] = T.if_then_else(idx_s[it * BI + r] >= 0, T.exp2(acc_s[h, r] * c - lse[h]), 0)
                 for h, r in T.Parallel(HB, BI):
@@ -545,41 +504,37 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
 # Compilation cache and launchers
 # ----------------------------------------------------------------------------------------------
 
-# Kernel variants: "ws" = warp-specialised forward, "simple" = compiler-pipelined forward;
-# backward "split" = dKV/dS kernel then dQ kernel, "fused" = one kernel with dQ in registers.
+# Forward variants: "ws" = warp-specialised, "simple" = compiler-pipelined.
 FWD_VARIANT = "ws"
-BWD_VARIANT = "split"
 SLOT_MULTIPLE = 128  # idx is padded with -1 to this multiple (the "ws" forward walks pairs of 64)
 
 
-def _compile(program):
+def _compile(program, manual_sync=False):
     # name the architecture: Hopper needs the "a" variant (sm_90a) for wgmma and setmaxnreg
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-    return tilelang.compile(program, target={"kind": "cuda", "arch": arch}, pass_configs=_PASS_CONFIGS)
+    configs = dict(_PASS_CONFIGS, **({"tl.disable_thread_storage_sync": True} if manual_sync else {}))
+    return tilelang.compile(program, target={"kind": "cuda", "arch": arch}, pass_configs=configs)
 
 
 def _device_key(t: torch.Tensor):
     return (t.device.type, t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def _attn_kernels(b, s, n, h, d, k, scale, device, fwd=None, bwd=None):
-    """(forward kernel, list of backward kernels) for one shape, built once per process."""
-    fwd, bwd = fwd or FWD_VARIANT, bwd or BWD_VARIANT
+def _attn_kernels(b, s, n, h, d, k, scale, device, fwd=None):
+    """(forward kernel, [dKV/dS kernel, dQ kernel]) for one shape, built once per process."""
+    fwd = fwd or FWD_VARIANT
     shape = (b, s, n, h, d, k, float(scale))
     base = ("attn", shape, "bfloat16", device)
     builders = {
         "ws": lambda: _build_attn_fwd_ws(*shape),
         "simple": lambda: _build_attn_fwd(*shape),
     }
-    f = _cached(base + ("fwd", fwd), lambda: _compile(builders[fwd]()))
-    if bwd == "split":
-        bs = [
-            _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape))),
-            _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6]))),
-        ]
-    else:
-        bs = [_cached(base + ("bwd_fused",), lambda: _compile(_build_attn_bwd(*shape)))]
+    f = _cached(base + ("fwd", fwd), lambda: _compile(builders[fwd](), manual_sync=fwd == "ws"))
+    bs = [
+        _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape))),
+        _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6]))),
+    ]
     return f, bs
 
 
@@ -616,7 +571,7 @@ def _check_attn_inputs(q, kv, sink, idx):
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, sink, idx, scale, fwd_variant, bwd_variant):
+    def forward(ctx, q, kv, sink, idx, scale, fwd_variant):
         b, s, h, d = q.shape
         n, k = kv.shape[1], idx.shape[2]
         hp = -(-h // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
@@ -627,12 +582,12 @@ class _SparseAttention(torch.autograd.Function):
         sink2 = torch.zeros(hp, dtype=torch.float32, device=q.device)
         sink2[:h] = sink.float() * LOG2E
         kvc = kv.contiguous()
-        fwd, _bwds = _attn_kernels(b, s, n, hp, d, kp, scale, _device_key(q), fwd_variant, bwd_variant)
+        fwd, _bwds = _attn_kernels(b, s, n, hp, d, kp, scale, _device_key(q), fwd_variant)
         o = torch.empty_like(qp)
         lse2 = torch.empty((b, s, hp), dtype=torch.float32, device=q.device)
         fwd(qp, kvc, idxp, sink2, o, lse2)
         ctx.save_for_backward(qp, kvc, sink, sink2, idxp, o, lse2)
-        ctx.scale, ctx.variants, ctx.h = scale, (fwd_variant, bwd_variant), h
+        ctx.scale, ctx.fwd_variant, ctx.h = scale, fwd_variant, h
         return o[:, :, :h] if hp != h else o
 
     @staticmethod
@@ -641,22 +596,19 @@ class _SparseAttention(torch.autograd.Function):
         h = ctx.h
         b, s, hp, d = qp.shape
         n, kp = kv.shape[1], idxp.shape[2]
-        _, bwds = _attn_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp), *ctx.variants)
+        _fwd, (bwd_kv, bwd_q) = _attn_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp), ctx.fwd_variant)
         dop = _pad_heads(do.to(qp.dtype), hp)
-        delta = (dop.float() * o.float()).sum(-1)  # [b, s, hp]: Δ = rowsum(dO·O)
-        dq = torch.empty_like(qp)
+        delta = torch.empty((b, s, hp), dtype=torch.float32, device=qp.device)  # Δ = rowsum(dO·O)
+        ds = torch.empty((b, s, hp, kp), dtype=qp.dtype, device=qp.device)
         dkv = torch.zeros((b, n, d), dtype=torch.float32, device=qp.device)
-        if len(bwds) == 2:
-            ds = torch.empty((b, s, hp, kp), dtype=qp.dtype, device=qp.device)
-            bwds[0](qp, kv, dop, idxp, lse2, delta, ds, dkv)
-            bwds[1](kv, idxp, ds, dq)
-        else:
-            bwds[0](qp, kv, dop, idxp, lse2, delta, dq, dkv)
+        dq = torch.empty_like(qp)
+        bwd_kv(qp, kv, o, dop, idxp, lse2, delta, ds, dkv)
+        bwd_q(kv, idxp, ds, dq)
         # the sink's softmax probability p = exp2(sink·log2e − lse2) gets dlogit = p·(0 − Δ)
         p_sink = torch.exp2(sink2.view(1, 1, hp) - lse2)[..., :h]
         dsink = -(p_sink * delta[..., :h]).sum(dim=(0, 1))
         dq = dq[:, :, :h] if hp != h else dq
-        return dq, dkv.to(kv.dtype), dsink.to(sink.dtype), None, None, None, None
+        return dq, dkv.to(kv.dtype), dsink.to(sink.dtype), None, None, None
 
 
 def sparse_attention_tilelang(
@@ -670,7 +622,7 @@ def sparse_attention_tilelang(
     """
     _require_tilelang()
     _check_attn_inputs(q, kv, sink, idx)
-    return _SparseAttention.apply(q, kv, sink, idx, float(scale), FWD_VARIANT, BWD_VARIANT)
+    return _SparseAttention.apply(q, kv, sink, idx, float(scale), FWD_VARIANT)
 
 
 def indexer_scores_tilelang(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int) -> torch.Tensor:

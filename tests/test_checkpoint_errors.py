@@ -125,7 +125,7 @@ def assert_rejected(checkpoint: Path, tmp_path: Path, *fragments: str, text_conf
     out.mkdir()
     (out / "marker.txt").write_text("previous export")
     with pytest.raises(CheckpointError):
-        convert(checkpoint, out, build_model=lambda config: FakeModel(text_config=text_config, device="meta"))
+        convert(checkpoint, out, build_model=lambda src: FakeModel(text_config=text_config, device="meta"))
     assert [p.name for p in out.iterdir()] == ["marker.txt"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".export")) == []
     return message
@@ -142,7 +142,7 @@ def test_the_good_checkpoint_loads_and_converts(good, tmp_path):
     report = load_checkpoint_into_model(model, good)
     assert len(report.loaded) == len(MODEL_SPEC) - 3 + 9 and not report.missing
     assert model.get_parameter("layers.0.ffn.experts.w2").abs().sum() > 0
-    convert(good, tmp_path / "export", build_model=lambda config: FakeModel(device="meta"))
+    convert(good, tmp_path / "export", build_model=lambda src: FakeModel(device="meta"))
     assert (tmp_path / "export" / "model.safetensors.index.json").is_file()
 
 

@@ -180,7 +180,7 @@ def test_export_round_trip_with_released_names(tiny, tmp_path):
 def test_convert_released_to_floating_point(tiny, tmp_path):
     out = tmp_path / "converted"
     checkpoint = ReleasedCheckpoint(tiny)
-    report = convert_tool.convert(tiny, out, build_model=lambda config: ContractModel(checkpoint, device="meta"),
+    report = convert_tool.convert(tiny, out, build_model=lambda src: ContractModel(checkpoint, device="meta"),
                                   max_shard_bytes=8 << 20)
     assert not report.missing and not report.unexpected
     converted = ReleasedCheckpoint(out)
@@ -287,3 +287,21 @@ def test_streaming_writer_matches_safetensors(tmp_path):
     with pytest.raises(ValueError, match="row blocks hold"):
         write_safetensors(tmp_path / "g.safetensors", {"big": bad})
     assert math.prod(blocks.shape) * 4 == blocks.nbytes
+
+
+def test_convert_checks_against_the_real_model_and_reloads(tmp_path):
+    from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
+
+    golden = SHARED / "golden" / "v41_tiny_text" / "snapshot"
+    out = tmp_path / "converted"
+    report = convert_tool.convert(golden, out)  # default: DeepseekV41ForCausalLM built on the meta device
+    assert not report.missing and not report.unexpected
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_")
+    assert (out / "modeling_deepseek_v41.py").is_file() and (out / "checkpoint.py").is_file()
+    converted = DeepseekV41ForCausalLM.from_pretrained(out).state_dict()
+    checkpoint = ReleasedCheckpoint(golden)
+    for name in checkpoint.tensors:  # every released tensor reached the model with its exact value
+        model_name, expert = released_to_model_name(name)
+        value = converted[model_name] if expert is None else converted[model_name][expert]
+        assert torch.equal(value, checkpoint.decode(name, dtype=value.dtype)), name

@@ -3,9 +3,10 @@
 The official inference code is not available here, so the end-to-end tests write a stand-in ``inference/``
 folder with the official interface (``ModelArgs`` with the official field names, ``Transformer(args)``,
 ``forward(tokens, start_pos=0)`` returning last-position logits, ``embed``/``layers``/``norm``/``head``,
-``from kernel import`` the six kernels, FP8 / packed-FP4 parameters with ``weight.scale`` attributes). Its math
-delegates to deepseek_v41's blocks: it exercises the tool's plumbing, not DeepSeek. The tool runs on the golden
-tiny text snapshot in both modes and its JSON must equal a direct computation of the same two logit sets.
+``from kernel import`` the six kernels, FP8 / packed-FP4 parameters with ``weight.scale`` attributes). Its
+math delegates to deepseek_v41's blocks: it exercises the tool's plumbing, not DeepSeek. The tool runs on the
+golden tiny text snapshot in both modes and its JSON must equal a direct computation of the same two logit
+sets.
 """
 
 import json
@@ -23,7 +24,6 @@ from deepseek_v41.checkpoint import (
     ReleasedCheckpoint,
     decode_fp4_packed,
     decode_fp8_blockwise,
-    decode_fp8_rows,
     encode_fp4_packed,
     encode_fp8_blockwise,
 )
@@ -46,7 +46,8 @@ SEQ = 32  # covers every CSA2 kind of the tiny model: window 16, ratio-2 entries
 def test_act_quant_is_the_fp8_boundary_with_power_of_two_scales():
     x = (torch.randn(3, 5, 96) * torch.logspace(-3, 3, 96)).bfloat16()
     q, s = kernels.act_quant(x, 32, "ue8m0")
-    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and s.shape == (3, 5, 3) and s.dtype == torch.float32
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert s.shape == (3, 5, 3) and s.dtype == torch.float32
     assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two
     dequantized = (q.float().unflatten(-1, (3, 32)) * s.unsqueeze(-1)).flatten(-2)
     assert torch.equal(dequantized.bfloat16(), fp8_qdq_reference(x))
@@ -62,8 +63,10 @@ def test_act_quant_is_the_fp8_boundary_with_power_of_two_scales():
 def test_fp4_act_quant_both_scale_formats():
     x = (torch.randn(4, 64) * torch.logspace(-2, 2, 64)).bfloat16()
     packed, scale = kernels.fp4_act_quant(x, 32)
-    assert packed.dtype == torch.float4_e2m1fn_x2 and packed.shape == (4, 32) and scale.dtype == torch.float8_e8m0fnu
-    assert torch.equal(decode_fp4_packed(packed.view(torch.uint8), scale, 32).bfloat16(), fp4_qdq_reference(x))
+    assert packed.dtype == torch.float4_e2m1fn_x2 and packed.shape == (4, 32)
+    assert scale.dtype == torch.float8_e8m0fnu and scale.shape == (4, 2)
+    decoded = decode_fp4_packed(packed.view(torch.uint8), scale, 32)
+    assert torch.equal(decoded.bfloat16(), fp4_qdq_reference(x))
     packed16, scale16 = kernels.fp4_act_quant(x, 16, scale_dtype=torch.float8_e4m3fn)
     assert scale16.dtype == torch.float8_e4m3fn and scale16.shape == (4, 4)
     decoded = decode_fp4_packed(packed16.view(torch.uint8), scale16.float(), 16)
@@ -96,7 +99,8 @@ def test_sparse_attn_and_hc_split_sinkhorn_match_the_package():
     q, kv = torch.randn(2, 5, 4, 64).bfloat16(), torch.randn(2, 9, 64).bfloat16()
     idx = torch.randint(-1, 9, (2, 5, 6))
     sink = torch.randn(4)
-    assert torch.equal(kernels.sparse_attn(q, kv, sink, idx, 0.125), sparse_attention_torch(q, kv, sink, idx, 0.125))
+    expected = sparse_attention_torch(q, kv, sink, idx, 0.125)
+    assert torch.equal(kernels.sparse_attn(q, kv, sink, idx, 0.125), expected)
     x, fn = torch.randn(2, 3, 4, 16).bfloat16(), torch.randn(24, 64) * 0.1
     base, scale = torch.randn(24), torch.rand(3) + 0.5
     flat = x.flatten(-2).float()
@@ -181,13 +185,14 @@ class Experts(nn.ModuleList):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, expert in enumerate(self):
             token, slot = (expert_ids == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, expert(x[token], weights[token, slot, None]).float())
+            out[token] += expert(x[token], weights[token, slot, None]).float()  # one pick per token
         return out
 
 
 def mix(block, x, sub):
     flat = x.flatten(-2).float()
-    mixes = F.linear(flat, getattr(block, f"hc_{{sub}}_fn")) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + block.norm_eps)
+    inv_rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + block.norm_eps)
+    mixes = F.linear(flat, getattr(block, f"hc_{{sub}}_fn")) * inv_rms
     return hc_split_sinkhorn(mixes, getattr(block, f"hc_{{sub}}_scale"), getattr(block, f"hc_{{sub}}_base"),
                              block.hc, block.sinkhorn_iters, block.hc_eps)
 
@@ -199,8 +204,8 @@ class Transformer(nn.Module):
         config = DeepseekV41Config.from_pretrained(snapshot)
         config._name_or_path = snapshot
         text = config.text_config
-        assert (args.dim, args.n_layers, args.vocab_size) == (text.hidden_size, text.num_hidden_layers, text.vocab_size)
-        assert args.max_batch_size >= 1 and args.max_seq_len >= 1
+        assert (args.dim, args.n_layers) == (text.hidden_size, text.num_hidden_layers)
+        self.max_batch_size, self.max_seq_len = args.max_batch_size, args.max_seq_len
         inner = DeepseekV41ForCausalLM(config)
         for layer in inner.layers:
             attn, ffn = layer.attn, layer.ffn
@@ -211,8 +216,9 @@ class Transformer(nn.Module):
                 for owner, name in owners:
                     old = getattr(owner, name)
                     setattr(owner, name, Linear(old.in_features, old.out_features))
-            ffn.experts = Experts(Expert(text.hidden_size, text.moe_intermediate_size, args.expert_dtype == "fp4",
-                                         text.swiglu_limit) for _ in range(text.n_routed_experts))
+            fp4 = args.expert_dtype == "fp4"
+            ffn.experts = Experts(Expert(text.hidden_size, text.moe_intermediate_size, fp4, text.swiglu_limit)
+                                  for _ in range(text.n_routed_experts))
             attn.sparse_attention = sparse_attn
             layer.mix = types.MethodType(mix, layer)
         self.hc = text.hc_mult
@@ -220,9 +226,9 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens, start_pos=0):
-        assert start_pos == 0
-        h = self.embed(tokens)
         b, s = tokens.shape
+        assert start_pos == 0 and b <= self.max_batch_size and s <= self.max_seq_len
+        h = self.embed(tokens)
         x = h.unsqueeze(2).expand(b, s, self.hc, h.shape[-1]).contiguous()
         pre = torch.zeros(b, s, self.hc, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1.0
@@ -231,6 +237,38 @@ class Transformer(nn.Module):
             x, pre = layer(x, pre, state, input_ids=tokens)
         return F.linear(self.norm(hc_pre(x, pre))[:, -1].float(), self.head.weight.float())
 '''
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engram_constants_once():
+    # Every model here uses the same snapshot tokenizer: derive Engram's hash constants once (~2 s each).
+    from deepseek_v41 import modeling_deepseek_v41
+
+    cache = {}
+
+    def cached(text_config, tokenizer):
+        key = tuple(text_config.engram_layer_ids)
+        if key not in cache:
+            cache[key] = derive(text_config, tokenizer)
+        return cache[key]
+
+    derive = modeling_deepseek_v41.engram_constants
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling_deepseek_v41, "engram_constants", cached)
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def restore_import_state():
+    # The tool puts the stand-in folder on sys.path and registers the modules `model` and `kernel`.
+    path, saved = list(sys.path), {name: sys.modules.get(name) for name in ("model", "kernel")}
+    yield
+    sys.path[:] = path
+    for name, module in saved.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
 
 
 @pytest.fixture(scope="module")
@@ -244,12 +282,15 @@ def fixture_paths(tmp_path_factory):
     (inference / "model.py").write_text(textwrap.dedent(STANDIN).format(fields=fields))
     (inference / "config.json").write_text(json.dumps(official_args))
     (inference / "standin.json").write_text(json.dumps({"snapshot": str(snapshot)}))
-    return snapshot, inference, golden / "reference" / "golden.safetensors"
+    golden_ids = load_file(str(golden / "reference" / "golden.safetensors"))["input_ids"]
+    ids_file = inference.parent / "input_ids.json"  # golden row 0: BOS + English prose, 64 tokens
+    ids_file.write_text(json.dumps(golden_ids[0].tolist()))
+    return snapshot, inference, ids_file
 
 
 @pytest.fixture(scope="module")
 def input_ids(fixture_paths):
-    return load_file(str(fixture_paths[2]))["input_ids"][:, :SEQ]
+    return torch.tensor([json.loads(fixture_paths[2].read_text())[:SEQ]])
 
 
 @pytest.fixture(scope="module")
@@ -285,10 +326,10 @@ def standin_logits(fixture_paths, input_ids, overrides):
 
 
 def run_tool(tmp_path, fixture_paths, *extra):
-    snapshot, inference, golden = fixture_paths
+    snapshot, inference, ids_file = fixture_paths
     report = tmp_path / "report.json"
     code = tool.main([
-        "--checkpoint", str(snapshot), "--inference-dir", str(inference), "--input-ids-file", str(golden),
+        "--checkpoint", str(snapshot), "--inference-dir", str(inference), "--input-ids-file", str(ids_file),
         "--seq-len", str(SEQ), "--dtype", "bf16", "--device", "cpu", "--cpu-kernels", "--report", str(report),
         *extra,
     ])
@@ -300,10 +341,43 @@ def assert_metrics_equal(reported, expected):
         assert reported[name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
 
 
-def test_whole_mode_fp8_official_weights(tmp_path, fixture_paths, input_ids, our_logits):
+BF16_WEIGHTS = {"dtype": "bf16", "expert_dtype": None}  # the README's `bf16w` reference: decoded weights
+
+
+def test_whole_mode_bf16_official_weights(tmp_path, fixture_paths, input_ids, our_logits):
+    # dtype bf16 / no expert_dtype: every FP8 / FP4 tensor is decoded into the stand-in's bf16 parameters.
+    overrides = ["--official-arg", 'dtype="bf16"', "--official-arg", "expert_dtype=null"]
+    code, report = run_tool(tmp_path, fixture_paths, "--mode", "whole", *overrides)
+    expected = logits_metrics(standin_logits(fixture_paths, input_ids, BF16_WEIGHTS), our_logits)
+    assert_metrics_equal(report["metrics"], expected)
+    assert code == 0 and report["passed"] and not report["failures"]
+    diagnostics = report["diagnostics"]
+    assert diagnostics["positions"] == "all" and diagnostics["official_return_max_abs_diff"] < 1e-3
+    assert diagnostics["official_load"]["snapshot_tensors_unused"] == 0
+    calls = diagnostics["kernel_calls"]
+    assert calls["sparse_attn"] == 9 and calls["hc_split_sinkhorn"] == 18  # once per layer / per sublayer
+    assert calls["fp8_gemm"] == calls["fp4_gemm"] == 0
+    assert report["settings"]["official_args"]["dtype"] == "bf16" and report["settings"]["seq_len"] == SEQ
+
+
+def test_streamed_mode_fp8_official_weights(tmp_path, fixture_paths, input_ids, our_logits, monkeypatch):
     # The released ModelArgs (dtype fp8, expert_dtype fp4): stored FP8 / FP4 codes and UE8M0 scales go into
-    # the stand-in's quantized parameters; a deliberately impossible mean-KL gate must give exit code 1.
-    code, report = run_tool(tmp_path, fixture_paths, "--mode", "whole", "--max-mean-kl", "0")
+    # the stand-in's quantized parameters, layer by layer; an impossible mean-KL gate must give exit code 1.
+    loaded, engram_tables = [], []
+    load_block, lookup = tool.load_our_modules, tool.engram_rows_lookup
+
+    def spy_load(holder, checkpoint_dir, device):  # our side: every earlier block is back on meta
+        assert all(p.is_meta for earlier in loaded[1:] for p in earlier.parameters())
+        loaded.append(holder)
+        load_block(holder, checkpoint_dir, device)
+
+    def spy_lookup(checkpoint, name, hash_ids, dtype, device):
+        engram_tables.append((hash_ids.unique().numel(), checkpoint.tensors[name].shape[0]))
+        return lookup(checkpoint, name, hash_ids, dtype, device)
+
+    monkeypatch.setattr(tool, "load_our_modules", spy_load)
+    monkeypatch.setattr(tool, "engram_rows_lookup", spy_lookup)
+    code, report = run_tool(tmp_path, fixture_paths, "--mode", "streamed", "--max-mean-kl", "0")
     expected = logits_metrics(standin_logits(fixture_paths, input_ids, {}), our_logits)
     assert_metrics_equal(report["metrics"], expected)
     assert code == 1 and not report["passed"] and report["failures"][0].startswith("mean_kl")
@@ -311,20 +385,42 @@ def test_whole_mode_fp8_official_weights(tmp_path, fixture_paths, input_ids, our
     calls = report["diagnostics"]["kernel_calls"]
     for name in ("act_quant", "fp8_gemm", "fp4_gemm", "sparse_attn", "hc_split_sinkhorn"):
         assert calls[name] > 0, calls
-    assert calls["sparse_attn"] == 9 and calls["hc_split_sinkhorn"] == 18  # once per layer / per sublayer
     assert report["diagnostics"]["official_return_max_abs_diff"] < 1e-3
-    assert report["settings"]["official_args"]["dtype"] == "fp8" and report["settings"]["seq_len"] == SEQ
+    assert len(loaded) == 1 + 9  # embed/norm/head, then one block at a time
+    assert len(engram_tables) == 2 and all(rows < table for rows, table in engram_tables)
 
 
-def test_streamed_mode_bf16_official_weights(tmp_path, fixture_paths, input_ids, our_logits):
-    # dtype bf16 / no expert_dtype: every FP8 / FP4 tensor is decoded into the stand-in's bf16 parameters,
-    # one block at a time on both sides (our Engram rows decoded on demand).
-    overrides = ["--official-arg", 'dtype="bf16"', "--official-arg", "expert_dtype=null"]
-    code, report = run_tool(tmp_path, fixture_paths, "--mode", "streamed", *overrides)
-    reference = standin_logits(fixture_paths, input_ids, {"dtype": "bf16", "expert_dtype": None})
-    expected = logits_metrics(reference, our_logits)
-    assert_metrics_equal(report["metrics"], expected)
-    assert code == 0 and report["passed"] and report["diagnostics"]["positions"] == "all"
-    calls = report["diagnostics"]["kernel_calls"]
-    assert calls["sparse_attn"] == 9 and calls["fp8_gemm"] == 0 and calls["fp4_gemm"] == 0
-    assert report["diagnostics"]["official_load"]["snapshot_tensors_unused"] == 0
+def test_official_model_args_grow_and_check_against_the_snapshot(fixture_paths):
+    snapshot, inference, _ = fixture_paths
+    module = tool.import_official_model(inference, cpu_kernels=True)
+    text_config = json.loads((snapshot / "config.json").read_text())["text_config"]
+    config = inference / "config.json"
+    args, fields = tool.official_model_args(module, config, {"dtype": "bf16"}, 3, 300, text_config)
+    assert (args.max_batch_size, args.max_seq_len, args.dtype) == (3, 300, "bf16")
+    with pytest.raises(ValueError, match="does not have"):
+        tool.official_model_args(module, config, {"n_experts": 8}, 1, 8, text_config)
+    with pytest.raises(ValueError, match="describes another model"):
+        tool.official_model_args(module, config, {"dim": 64}, 1, 8, text_config)
+    assert tool.parse_overrides(['expert_dtype=null', 'dtype="bf16"', "score_func=softmax"]) == {
+        "expert_dtype": None, "dtype": "bf16", "score_func": "softmax"}
+
+
+def test_streamed_official_parameters_are_placeholders_outside_their_layer(fixture_paths):
+    from deepseek_v41.modeling_deepseek_v41 import default_dtype
+
+    snapshot, inference, _ = fixture_paths
+    module = tool.import_official_model(inference, cpu_kernels=True)
+    with default_dtype(torch.bfloat16), tool.parameters_on_meta():
+        model = module.Transformer(module.ModelArgs(**json.loads((inference / "config.json").read_text())))
+    assert all(p.is_meta for p in model.parameters())
+    linear = model.layers[3].attn.wq_a
+    assert linear.weight.scale is linear.scale  # attributes set after registration survive the swap
+    streamer = tool.OfficialStreamer(model, ReleasedCheckpoint(snapshot), "cpu", 0, 1)
+    streamer.load("layers.3.")
+    live = {name for name, p in model.named_parameters() if not p.is_meta}
+    assert live == {name for name, _ in model.named_parameters() if name.startswith("layers.3.")}
+    stored = load_file(str(snapshot / ReleasedCheckpoint(snapshot).records["layers.3.attn.wq_a.weight"].file))
+    assert linear.weight.scale is linear.scale and not linear.scale.is_meta
+    assert torch.equal(linear.weight.view(torch.uint8), stored["layers.3.attn.wq_a.weight"].view(torch.uint8))
+    streamer.release(model.layers[3])
+    assert all(p.is_meta for p in model.parameters())

@@ -1,7 +1,6 @@
 """Engram in the model: table selection, gate formula, tokenizer resolution, materialization."""
 
 import torch
-
 from conftest import tiny_model
 
 IDS = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(0))

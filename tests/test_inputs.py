@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import tiny_model
 
 
@@ -99,6 +98,7 @@ def test_vision_token_types_shape(model):
 
 def test_engram_without_tokenizer_is_a_clear_error():
     from conftest import tiny_config
+
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
 
     with pytest.raises(ValueError, match="pass tokenizer="):

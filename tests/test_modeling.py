@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import tiny_config, tiny_model
 from torch.nn import functional as F
 
-from conftest import tiny_config, tiny_model
 from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
 
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 from PIL import Image
 from transformers import PreTrainedTokenizerFast
 
-from conftest import tiny_model
 from deepseek_v41.image_processing_deepseek_v41 import DeepseekV41ImageProcessor
 from deepseek_v41.processing_deepseek_v41 import IMAGE_PLACEHOLDER, DeepseekV41Processor
 
@@ -63,7 +63,7 @@ def test_image_content_changes_the_output(model, processor):
 def test_moving_an_image_moves_its_span(processor):
     first = batch(processor, [f"{IMAGE_PLACEHOLDER} then words"], [image(56, 56, 3)])
     later = batch(processor, [f"some words then {IMAGE_PLACEHOLDER}"], [image(56, 56, 3)])
-    span = lambda b: (b["vision_token_types"][0] >= 0).nonzero().flatten()  # noqa: E731
+    span = lambda b: (b["vision_token_types"][0] >= 0).nonzero().flatten()
     assert len(span(first)) == len(span(later))
     assert span(later)[0] > span(first)[0]
     types = first["vision_token_types"][0]

@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from deepseek_v41.quantization import (
-    fp4_e4m3_scale_qdq, fp4_e4m3_scale_qdq_reference, fp4_qdq, fp4_qdq_reference, fp8_qdq, fp8_qdq_reference,
+    fp4_e4m3_scale_qdq,
+    fp4_e4m3_scale_qdq_reference,
+    fp4_qdq,
+    fp4_qdq_reference,
+    fp8_qdq,
+    fp8_qdq_reference,
 )
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 import torch
+from conftest import tiny_model
 from safetensors import safe_open
 
-from conftest import tiny_model
 from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
 
 IDS = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -88,7 +88,7 @@ def test_backend_override_at_load(exported):
 
 
 def test_meta_built_and_materialized_equals_eager(exported, v4_tokenizer):
-    model, folder = exported
+    model, _ = exported
     with torch.device("meta"), default_dtype(torch.bfloat16):
         meta = DeepseekV41ForCausalLM(model.config, tokenizer=v4_tokenizer)
     meta.to_empty(device="cpu")

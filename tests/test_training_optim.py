@@ -1,5 +1,6 @@
 """RemainderAdamW (bf16 params + int16 remainders), the LR schedule and global clipping."""
 
+import itertools
 import math
 
 import torch
@@ -21,7 +22,7 @@ def test_remainder_master_matches_fp32_adamw_bit_exactly():
     param = torch.nn.Parameter(start.clone().bfloat16())
     fp32_island = torch.nn.Parameter(torch.randn(5))
     island_ref = torch.nn.Parameter(fp32_island.detach().clone())
-    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    kw = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     ref = torch.optim.AdamW([ref_param, island_ref], foreach=False, **kw)
     ours = RemainderAdamW([param, fp32_island], **kw)
     for _ in range(12):
@@ -58,7 +59,7 @@ def test_warmup_then_cosine_schedule():
     assert math.isclose(lr_at(55, cfg, 1e-5), 1e-6 + 0.5 * (1e-5 - 1e-6))
     assert lr_at(100, cfg, 1e-5) == 1e-6 and lr_at(150, cfg, 1e-5) == 1e-6
     lrs = [lr_at(s, cfg, 1e-5) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
 
 
 def test_clip_uses_the_global_norm_and_replica_counts():

