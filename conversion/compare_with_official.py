@@ -241,8 +241,6 @@ def load_released_tensors(targets: dict, checkpoint: ReleasedCheckpoint, rank: i
     """Fill each ``{name: tensor}`` entry from the snapshot tensor of the same name, in row blocks
     (this rank's part of it under tensor parallelism)."""
     for name, target in targets.items():
-        if name.endswith(".scale"):
-            continue
         stored = checkpoint.tensors.get(name)
         codes = target.dtype in CODE_DTYPES or stored is None or stored.fmt == "plain"
         shape = checkpoint.records[name].shape if codes else stored.shape

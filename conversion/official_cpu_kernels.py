@@ -29,6 +29,7 @@ really went through them.
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 from collections import Counter
@@ -59,10 +60,10 @@ _E2M1_MAGNITUDES = torch.tensor(E2M1_VALUES[:8])  # code k (k < 8) -> |value|, a
 
 
 def _rows(x: torch.Tensor, block: int) -> torch.Tensor:
-    # x [..., k] -> [n, k], checking the block divides k
+    # x [..., k] -> [n, k] (n may be 0: an expert no token chose), checking the block divides k
     if x.shape[-1] % block:
         raise ValueError(f"block size {block} does not divide the last dimension {x.shape[-1]}")
-    return x.reshape(-1, x.shape[-1])
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def _scales_as(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
@@ -90,7 +91,7 @@ def act_quant(x: torch.Tensor, block_size: int = 32, scale_fmt: str | None = Non
         q = q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)
     if inplace:
         return x.copy_(decode_fp8_rows(q, scale, block_size, dtype=torch.float32).view_as(x))
-    return q.view(x.shape), scale.view(*x.shape[:-1], -1)
+    return q.view(x.shape), scale.view(*x.shape[:-1], x.shape[-1] // block_size)
 
 
 def _pack_e2m1(values: torch.Tensor) -> torch.Tensor:
@@ -116,13 +117,14 @@ def fp4_act_quant(x: torch.Tensor, block_size: int = 32, inplace: bool = False,
         return x.copy_(qdq(x, block_size))
     if not e4m3:
         packed, scale = encode_fp4_packed(rows, block_size)  # the checkpoint's FP4 encoder: same rounding
-        scale = _scales_as(scale, scale_dtype).view(*x.shape[:-1], -1)
-        return packed.view(torch.float4_e2m1fn_x2).view(*x.shape[:-1], -1), scale
+        scale = _scales_as(scale, scale_dtype).view(*x.shape[:-1], x.shape[-1] // block_size)
+        return packed.view(torch.float4_e2m1fn_x2).view(*x.shape[:-1], x.shape[-1] // 2), scale
     blocks = rows.float().unflatten(-1, (-1, block_size))
     amax = blocks.abs().amax(-1, keepdim=True).clamp(min=FP4_MAX * 2.0**-9)
     scale = (amax / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
     levels = round_to_e2m1((blocks / scale.float()).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
-    return _pack_e2m1(levels).view(*x.shape[:-1], -1), scale.view(*x.shape[:-1], -1)
+    shape = x.shape[:-1]
+    return _pack_e2m1(levels).view(*shape, x.shape[-1] // 2), scale.view(*shape, x.shape[-1] // block_size)
 
 
 def _blocked_matmul(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
@@ -135,7 +137,7 @@ def _blocked_matmul(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tenso
 
 def _dequantized_activation(a: torch.Tensor, a_s: torch.Tensor, block: int) -> torch.Tensor:
     # FP8 a [..., k] with per-block scales [..., k / block] -> fp32 [n, k]
-    return decode_fp8_rows(_rows(a, block), a_s.reshape(-1, a_s.shape[-1]), block, dtype=torch.float32)
+    return decode_fp8_rows(_rows(a, block), _rows(a_s, 1), block, dtype=torch.float32)
 
 
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,

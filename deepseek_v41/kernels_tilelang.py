@@ -16,6 +16,9 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   is not bit-deterministic); the second gathers again for ``dq = dS·kv[idx]``.  Splitting keeps
   the [64, d] dq accumulator out of the first kernel's registers.  ``dsink_h = −Σ p_sink·Δ`` is a
   cheap elementwise reduction in PyTorch.
+* head counts that are not a multiple of 64 are padded with zero heads and ``idx`` with empty
+  slots to a multiple of 64; both are exact (padded heads get ``dO = 0`` and add nothing to
+  ``dkv``; empty slots get ``P = 0``).
 * FLOP convention of the benchmarks: forward ``4·b·s·h·k·d`` (QKᵀ and PV), backward 2.5× that
   (QKᵀ recompute, dO·Vᵀ, dS·K, dSᵀ·Q, Pᵀ·dO), with ``k`` the number of index slots (padding and
   empty slots included).
@@ -28,7 +31,8 @@ Compilation and caches: kernels are specialised on shapes, dtype and device and 
 Built kernels are kept in a process-wide dict keyed by ``(kernel, shapes, dtype, device)``;
 ``warmup_tilelang_kernels`` builds them ahead of training.  Below that, TileLang keeps its own
 on-disk cache of compiled kernels in ``$TILELANG_CACHE_DIR`` (default ``~/.tilelang/cache``), so a
-second process with the same shapes loads them in well under a second instead of recompiling.
+later process with the same shapes loads them instead of rebuilding (a build takes 5-17 s per
+kernel on the H200 machine).
 """
 
 import threading
@@ -164,176 +168,6 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, sta
             T.copy(lse, Lse2[bz, s_i, h0 : h0 + HB])
 
     return attn_fwd
-
-
-def _build_attn_fwd_ws(batch, seq, n_kv, heads, dim, slots, scale):
-    # Warp-specialised forward, same contract as _build_attn_fwd (slots % 128 == 0).
-    # 384 threads: warpgroup 0 runs QKᵀ, the softmax and P·V for the left half of d; warpgroup 1
-    # runs P·V for the right half; warpgroup 2 gathers the next rows into two shared-memory stages,
-    # so the gather, QKᵀ(i+1) and P·V(i) overlap.  All synchronisation is explicit (mbarriers
-    # between warpgroups, named barriers BAR_WG0/BAR_WG1 inside one): TileLang's automatic
-    # shared-memory syncs are switched off for this kernel, as they would span warpgroups.
-    HB, BI = HEADS_PER_BLOCK, SLOTS_PER_BLOCK
-    BAR_WG0, BAR_WG1 = 8, 9
-    half = dim // 2
-    n_hblk, n_pairs = heads // HB, slots // (2 * BI)
-    c = scale * LOG2E
-    bf16, f32 = "bfloat16", "float32"
-
-    @T.macro
-    def gather(KV, idx_s, kv_l, kv_r, bz, blk, t):
-        # 128 producer threads, 64 per row (16 bytes each), two rows per pass; cp.async into the stage
-        for u in T.unroll(BI // 2):
-            r = u * 2 + t // 64
-            row = T.max(idx_s[blk * BI + r], 0)
-            ch = t % 64
-            if ch < 32:
-                T.ptx_cp_async(T.access_ptr(kv_l[r, ch * 8], "w", 8), T.access_ptr(KV[bz, row, ch * 8], "r", 8), 8)
-            else:
-                T.ptx_cp_async(
-                    T.access_ptr(kv_r[r, (ch - 32) * 8], "w", 8), T.access_ptr(KV[bz, row, ch * 8], "r", 8), 8
-                )
-
-    @T.macro
-    def softmax_step(q_l, q_r, kv_l, kv_r, p_s, alpha_s, idx_s, blk, acc_s, acc_o, m, m_prev, l, l_blk,
-                     alpha, ready, free, p_ready, p_free, st, par):
-        # warpgroup 0, one block of slots: S = Q Kᵀ, online softmax, P·V (left half)
-        T.barrier_wait(ready[st], par)
-        for h, r in T.Parallel(HB, BI):
-            acc_s[h, r] = T.if_then_else(idx_s[blk * BI + r] >= 0, 0, -T.infinity(f32))
-        T.gemm(q_l, kv_l, acc_s, transpose_B=True)
-        T.gemm(q_r, kv_r, acc_s, transpose_B=True)
-        T.copy(m, m_prev)
-        T.reduce_max(acc_s, m, dim=1, clear=False)
-        for h in T.Parallel(HB):
-            m[h] = T.max(m[h], m_prev[h])
-        for h in T.Parallel(HB):
-            alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
-        for h, r in T.Parallel(HB, BI):
-            acc_s[h, r] = T.exp2(acc_s[h, r] * c - m[h] * c)
-        T.reduce_sum(acc_s, l_blk, dim=1)
-        for h in T.Parallel(HB):
-            l[h] = l[h] * alpha[h] + l_blk[h]
-        for h, d in T.Parallel(HB, half):
-            acc_o[h, d] = acc_o[h, d] * alpha[h]
-        if blk > 0:
-            T.barrier_wait(p_free, (blk - 1) & 1)  # warpgroup 1 has read P(blk - 1)
-        T.sync_threads(BAR_WG0, 128)  # and so has this warpgroup's last P·V
-        T.copy(acc_s, p_s)
-        T.copy(alpha, alpha_s)
-        T.fence_proxy_async()  # P is read by wgmma (async proxy) next
-        T.sync_threads(BAR_WG0, 128)
-        T.barrier_arrive(p_ready)
-        T.gemm(p_s, kv_l, acc_o)
-        T.barrier_arrive(free[st])
-
-    @T.macro
-    def right_step(kv_r, p_s, alpha_s, acc_o, free, p_ready, p_free, st, blk):
-        # warpgroup 1: rescale and P·V for the right half
-        T.barrier_wait(p_ready, blk & 1)
-        for h, d in T.Parallel(HB, half):
-            acc_o[h, d] = acc_o[h, d] * alpha_s[h]
-        T.gemm(p_s, kv_r, acc_o)
-        T.barrier_arrive(p_free)
-        T.barrier_arrive(free[st])
-
-    @T.macro
-    def fill_stage(KV, idx_s, kv_l, kv_r, ready, free, bz, blk, t, st, par):
-        T.barrier_wait(free[st], par ^ 1)
-        gather(KV, idx_s, kv_l, kv_r, bz, blk, t)
-        T.ptx_commit_group()
-        T.ptx_wait_group(0)
-        T.fence_proxy_async()  # the rows are read by wgmma (async proxy) next
-        T.barrier_arrive(ready[st])
-
-    @T.prim_func
-    def attn_fwd_ws(
-        Q: T.Tensor([batch, seq, heads, dim], bf16),
-        KV: T.Tensor([batch, n_kv, dim], bf16),
-        Idx: T.Tensor([batch, seq, slots], "int32"),
-        Sink2: T.Tensor([heads], f32),
-        O: T.Tensor([batch, seq, heads, dim], bf16),
-        Lse2: T.Tensor([batch, seq, heads], f32),
-    ):
-        with T.Kernel(seq * n_hblk, batch, threads=384) as (bx, bz):
-            s_i = bx // n_hblk
-            h0 = (bx % n_hblk) * HB
-            q_l = T.alloc_shared([HB, half], bf16)
-            q_r = T.alloc_shared([HB, half], bf16)
-            kv0_l = T.alloc_shared([BI, half], bf16)
-            kv0_r = T.alloc_shared([BI, half], bf16)
-            kv1_l = T.alloc_shared([BI, half], bf16)
-            kv1_r = T.alloc_shared([BI, half], bf16)
-            p_s = T.alloc_shared([HB, BI], bf16)
-            idx_s = T.alloc_shared([slots], "int32")
-            alpha_s = T.alloc_shared([HB], f32)  # per-step rescale of the right half; final 1/l at the end
-            ready = T.alloc_barrier([128, 128])  # stage filled (producer threads)
-            free = T.alloc_barrier([256, 256])  # stage consumed (both consumer warpgroups)
-            p_ready = T.alloc_barrier(128)  # P and alpha written (warpgroup 0)
-            p_free = T.alloc_barrier(128)  # P read (warpgroup 1)
-            fin = T.alloc_barrier(128)  # final normaliser written (warpgroup 0)
-
-            acc_o_l = T.alloc_fragment([HB, half], f32)
-            acc_o_r = T.alloc_fragment([HB, half], f32)
-            acc_s = T.alloc_fragment([HB, BI], f32)
-            m = T.alloc_fragment([HB], f32)
-            m_prev = T.alloc_fragment([HB], f32)
-            l = T.alloc_fragment([HB], f32)
-            l_blk = T.alloc_fragment([HB], f32)
-            alpha = T.alloc_fragment([HB], f32)
-            lse = T.alloc_fragment([HB], f32)
-
-            tx = T.get_thread_binding()
-            T.copy(Q[bz, s_i, h0 : h0 + HB, 0:half], q_l)
-            T.copy(Q[bz, s_i, h0 : h0 + HB, half:dim], q_r)
-            T.copy(Idx[bz, s_i, :], idx_s)
-            T.sync_threads()
-
-            if tx < 128:
-                T.set_max_nreg(240, 1)
-                T.fill(acc_o_l, 0)
-                T.fill(l, 0)
-                T.fill(m, -1.0e30)
-                for j in T.serial(n_pairs):
-                    softmax_step(q_l, q_r, kv0_l, kv0_r, p_s, alpha_s, idx_s, j * 2, acc_s, acc_o_l, m,
-                                 m_prev, l, l_blk, alpha, ready, free, p_ready, p_free, 0, j & 1)
-                    softmax_step(q_l, q_r, kv1_l, kv1_r, p_s, alpha_s, idx_s, j * 2 + 1, acc_s, acc_o_l, m,
-                                 m_prev, l, l_blk, alpha, ready, free, p_ready, p_free, 1, j & 1)
-                # sink in the denominator; hand 1/l to warpgroup 1 once it has read the last P
-                for h in T.Parallel(HB):
-                    lse[h] = T.max(m[h] * c, Sink2[h0 + h])
-                    alpha[h] = T.exp2(m[h] * c - lse[h])
-                    l[h] = l[h] * alpha[h] + T.exp2(Sink2[h0 + h] - lse[h])
-                    alpha[h] = alpha[h] / l[h]
-                    lse[h] = lse[h] + T.log2(l[h])
-                T.barrier_wait(p_free, (n_pairs * 2 - 1) & 1)
-                T.copy(alpha, alpha_s)
-                T.barrier_arrive(fin)
-                for h, d in T.Parallel(HB, half):
-                    acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
-                T.copy(acc_o_l, q_l)
-                T.sync_threads(BAR_WG0, 128)
-                T.copy(q_l, O[bz, s_i, h0 : h0 + HB, 0:half])
-                T.copy(lse, Lse2[bz, s_i, h0 : h0 + HB])
-            elif tx < 256:
-                T.set_max_nreg(168, 1)
-                T.fill(acc_o_r, 0)
-                for j in T.serial(n_pairs):
-                    right_step(kv0_r, p_s, alpha_s, acc_o_r, free, p_ready, p_free, 0, j * 2)
-                    right_step(kv1_r, p_s, alpha_s, acc_o_r, free, p_ready, p_free, 1, j * 2 + 1)
-                T.barrier_wait(fin, 0)
-                for h, d in T.Parallel(HB, half):
-                    acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
-                T.copy(acc_o_r, q_r)  # warpgroup 0 read q_r for the last time before arriving at fin
-                T.sync_threads(BAR_WG1, 128)
-                T.copy(q_r, O[bz, s_i, h0 : h0 + HB, half:dim])
-            else:
-                T.set_max_nreg(80, 0)
-                for j in T.serial(n_pairs):
-                    fill_stage(KV, idx_s, kv0_l, kv0_r, ready, free, bz, j * 2, tx - 256, 0, j & 1)
-                    fill_stage(KV, idx_s, kv1_l, kv1_r, ready, free, bz, j * 2 + 1, tx - 256, 1, j & 1)
-
-    return attn_fwd_ws
 
 
 def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, threads=256, stages=1):
@@ -504,42 +338,31 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
 # Compilation cache and launchers
 # ----------------------------------------------------------------------------------------------
 
-# Forward variants: "ws" = warp-specialised, "simple" = compiler-pipelined.
-FWD_VARIANT = "ws"
-SLOT_MULTIPLE = 128  # idx is padded with -1 to this multiple (the "ws" forward walks pairs of 64)
-
-
-def _compile(program, manual_sync=False):
-    # name the architecture: Hopper needs the "a" variant (sm_90a) for wgmma and setmaxnreg
+def _compile(program):
+    # name the architecture: Hopper needs the "a" variant (sm_90a) for wgmma
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-    configs = dict(_PASS_CONFIGS, **({"tl.disable_thread_storage_sync": True} if manual_sync else {}))
-    return tilelang.compile(program, target={"kind": "cuda", "arch": arch}, pass_configs=configs)
+    return tilelang.compile(program, target={"kind": "cuda", "arch": arch}, pass_configs=_PASS_CONFIGS)
 
 
 def _device_key(t: torch.Tensor):
     return (t.device.type, t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def _attn_kernels(b, s, n, h, d, k, scale, device, fwd=None):
+def _attn_kernels(b, s, n, h, d, k, scale, device):
     """(forward kernel, [dKV/dS kernel, dQ kernel]) for one shape, built once per process."""
-    fwd = fwd or FWD_VARIANT
     shape = (b, s, n, h, d, k, float(scale))
     base = ("attn", shape, "bfloat16", device)
-    builders = {
-        "ws": lambda: _build_attn_fwd_ws(*shape),
-        "simple": lambda: _build_attn_fwd(*shape),
-    }
-    f = _cached(base + ("fwd", fwd), lambda: _compile(builders[fwd](), manual_sync=fwd == "ws"))
-    bs = [
+    fwd = _cached(base + ("fwd",), lambda: _compile(_build_attn_fwd(*shape)))
+    bwd = [
         _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape))),
         _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6]))),
     ]
-    return f, bs
+    return fwd, bwd
 
 
 def _pad_heads(x: torch.Tensor, heads_padded: int) -> torch.Tensor:
-    # x [b, s, h, ...] -> [b, s, heads_padded, ...] with zero heads (exact: see module docstring)
+    # x [b, s, h, ...] -> [b, s, heads_padded, ...] with zero heads (exact, see the module docstring)
     if x.shape[2] == heads_padded:
         return x.contiguous()
     pad = x.new_zeros(x.shape[:2] + (heads_padded - x.shape[2],) + x.shape[3:])
@@ -571,23 +394,26 @@ def _check_attn_inputs(q, kv, sink, idx):
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, sink, idx, scale, fwd_variant):
+    def forward(ctx, q, kv, sink, idx, scale):
         b, s, h, d = q.shape
         n, k = kv.shape[1], idx.shape[2]
         hp = -(-h // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
-        kp = -(-k // SLOT_MULTIPLE) * SLOT_MULTIPLE
+        kp = -(-k // SLOTS_PER_BLOCK) * SLOTS_PER_BLOCK
         qp = _pad_heads(q, hp)
-        idxp = torch.full((b, s, kp), -1, dtype=torch.int32, device=q.device)
-        idxp[:, :, :k] = idx
+        if kp == k:
+            idxp = idx.to(torch.int32).contiguous()
+        else:
+            idxp = torch.full((b, s, kp), -1, dtype=torch.int32, device=q.device)
+            idxp[:, :, :k] = idx
         sink2 = torch.zeros(hp, dtype=torch.float32, device=q.device)
         sink2[:h] = sink.float() * LOG2E
         kvc = kv.contiguous()
-        fwd, _bwds = _attn_kernels(b, s, n, hp, d, kp, scale, _device_key(q), fwd_variant)
+        fwd, _bwd = _attn_kernels(b, s, n, hp, d, kp, scale, _device_key(q))
         o = torch.empty_like(qp)
         lse2 = torch.empty((b, s, hp), dtype=torch.float32, device=q.device)
         fwd(qp, kvc, idxp, sink2, o, lse2)
         ctx.save_for_backward(qp, kvc, sink, sink2, idxp, o, lse2)
-        ctx.scale, ctx.fwd_variant, ctx.h = scale, fwd_variant, h
+        ctx.scale, ctx.h = scale, h
         return o[:, :, :h] if hp != h else o
 
     @staticmethod
@@ -596,7 +422,7 @@ class _SparseAttention(torch.autograd.Function):
         h = ctx.h
         b, s, hp, d = qp.shape
         n, kp = kv.shape[1], idxp.shape[2]
-        _fwd, (bwd_kv, bwd_q) = _attn_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp), ctx.fwd_variant)
+        _fwd, (bwd_kv, bwd_q) = _attn_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp))
         dop = _pad_heads(do.to(qp.dtype), hp)
         delta = torch.empty((b, s, hp), dtype=torch.float32, device=qp.device)  # Δ = rowsum(dO·O)
         ds = torch.empty((b, s, hp, kp), dtype=qp.dtype, device=qp.device)
@@ -608,7 +434,7 @@ class _SparseAttention(torch.autograd.Function):
         p_sink = torch.exp2(sink2.view(1, 1, hp) - lse2)[..., :h]
         dsink = -(p_sink * delta[..., :h]).sum(dim=(0, 1))
         dq = dq[:, :, :h] if hp != h else dq
-        return dq, dkv.to(kv.dtype), dsink.to(sink.dtype), None, None, None
+        return dq, dkv.to(kv.dtype), dsink.to(sink.dtype), None, None
 
 
 def sparse_attention_tilelang(
@@ -622,7 +448,7 @@ def sparse_attention_tilelang(
     """
     _require_tilelang()
     _check_attn_inputs(q, kv, sink, idx)
-    return _SparseAttention.apply(q, kv, sink, idx, float(scale), FWD_VARIANT)
+    return _SparseAttention.apply(q, kv, sink, idx, float(scale))
 
 
 def indexer_scores_tilelang(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -674,9 +500,9 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
                 count += 1
                 continue
             hp = -(-spec["h"] // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
-            kp = -(-spec["k"] // SLOT_MULTIPLE) * SLOT_MULTIPLE
-            _fwd, bwds = _attn_kernels(spec["b"], spec["s"], spec["n"], hp, spec["d"], kp, spec["scale"], dev)
-            count += 1 + len(bwds)
+            kp = -(-spec["k"] // SLOTS_PER_BLOCK) * SLOTS_PER_BLOCK
+            _fwd, bwd = _attn_kernels(spec["b"], spec["s"], spec["n"], hp, spec["d"], kp, spec["scale"], dev)
+            count += 1 + len(bwd)
     return count
 
 

@@ -5,6 +5,8 @@ Not part of the modeling path: used by the parity tests and ``conversion/compare
 
 import torch
 
+from .attention import CSA2State
+
 # Gates of the golden reference README (fixture) and of the V4.1 docs (real model, bf16).
 GATES = {
     "fp32": {"mean_kl": 1e-5, "p95_kl": 1e-5, "cosine": 0.99999, "top1": 0.99, "rel_l2": 5e-3},
@@ -68,3 +70,89 @@ def p90_relative_l2(candidate: torch.Tensor, reference: torch.Tensor, token_dims
 def set_agreement(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     """Fraction of rows whose integer selections (last axis) are equal as sets."""
     return (candidate.sort(-1).values == reference.sort(-1).values).all(-1).float().mean().item()
+
+
+# ---- golden fixtures (shared/golden/<fixture>/reference/golden.safetensors) ----
+
+
+def model_inputs(g) -> dict:
+    """Model kwargs for the fixture's batch (image spans: the stored patches, grids and token types)."""
+    inputs = {"input_ids": g["input_ids"]}
+    if "token_types" in g:
+        images = sorted({k.split(".")[0] for k in g if k.startswith("image") and k.endswith(".patches")})
+        inputs["vision_token_types"] = g["token_types"]
+        inputs["pixel_values"] = torch.cat([g[f"{im}.patches"] for im in images])
+        inputs["image_grid_hws"] = torch.stack([g[f"{im}.grid"][1:3] for im in images])
+    return inputs
+
+
+def reference_logits(g, tag, model):
+    # The README's definition: logits = stored final_hidden (fp32) × head, over the full vocabulary.
+    return g[f"{tag}.final_hidden"].float() @ model.head.weight.float().T
+
+
+def teacher_forced(model, g) -> list[dict]:
+    """Run every block from the stored stream input and pre-mix (bf16 reference run); per layer, the p90
+    relative L2 of engram/attention/FFN/block outputs and the agreement of the discrete choices."""
+    prefix = "bf16w_bf16"
+    ids = g["input_ids"]
+    image_mask = g["token_types"] >= 0 if "token_types" in g else None
+    seq = ids.shape[1]
+    captured, hooks = {}, []
+    for layer in model.layers:
+        hooks.append(layer.attn.register_forward_hook(lambda m, a, o, i=layer.layer: captured.update({(i, "attn"): o})))
+        hooks.append(layer.ffn.register_forward_hook(lambda m, a, o, i=layer.layer: captured.update({(i, "ffn"): o})))
+        hooks.append(layer.ffn.gate.register_forward_hook(
+            lambda m, a, o, i=layer.layer: captured.update({(i, "experts"): o[1]})))
+    state, rows = CSA2State(), []
+    try:
+        with torch.no_grad():
+            stream = model.embed(ids).unsqueeze(2).expand(-1, -1, model.hc, -1)
+            if image_mask is not None:  # layer 0's stored input is not kept: rebuild it with the image rows
+                inputs = model_inputs(g)
+                stream = model.embed_images(model.embed(ids), ids, inputs["pixel_values"], inputs["image_grid_hws"],
+                                            inputs["vision_token_types"]).unsqueeze(2).expand(-1, -1, model.hc, -1)
+            for layer in model.layers:
+                i, row = layer.layer, {"layer": layer.layer}
+                x = stream if i == 0 else g[f"{prefix}.layer{i - 1}.block_out"]
+                if layer.engram is not None:
+                    out = layer.engram(x, layer.engram.hash(ids, image_mask), image_mask)
+                    row["engram_out"] = p90_relative_l2(out, g[f"{prefix}.layer{i}.engram_out"])
+                    x = g[f"{prefix}.layer{i}.engram_out"]
+                engram, layer.engram = layer.engram, None  # the block input is the stored post-Engram stream
+                block_out, _ = layer(x, g[f"{prefix}.layer{i}.in_pre_mix"], state, input_ids=ids, image_mask=image_mask)
+                layer.engram = engram
+                row["attn_out"] = p90_relative_l2(captured[(i, "attn")], g[f"{prefix}.layer{i}.attn_out"])
+                row["ffn_out"] = p90_relative_l2(captured[(i, "ffn")], g[f"{prefix}.layer{i}.ffn_out"])
+                row["block_out"] = p90_relative_l2(block_out, g[f"{prefix}.layer{i}.block_out"])
+                row["router"] = set_agreement(captured[(i, "experts")], g[f"{prefix}.layer{i}.router_experts"])
+                if f"{prefix}.layer{i}.compress_kv" in g:
+                    row["compress_kv"] = p90_relative_l2(state.read(i, "compressed_kv"), g[f"{prefix}.layer{i}.compress_kv"])
+                    row["index_k"] = p90_relative_l2(state.read(i, "index_k"), g[f"{prefix}.layer{i}.index_k"])
+                if f"{prefix}.layer{i}.index_topk" in g:
+                    topk = state.read(i, "topk")
+                    row["topk"] = set_agreement(torch.where(topk >= 0, topk + seq, -1), g[f"{prefix}.layer{i}.index_topk"])
+                if f"{prefix}.layer{i}.candidates" in g:
+                    same = state.read(i, "candidates") == g[f"{prefix}.layer{i}.candidates"].bool()
+                    row["candidates"] = same.float().mean().item()
+                rows.append(row)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return rows
+
+
+# Discrete choices agree except at near-ties of teacher-forced inputs (README); these floors catch real bugs.
+DISCRETE_FLOORS = {"router": 0.97, "topk": 0.95, "candidates": 0.99}
+EXACT_FLOORS = {"compress_kv": 5e-3, "index_k": 5e-3}
+
+
+def first_divergence(rows) -> str | None:
+    for row in rows:
+        for name, bound in {**LAYER_GATES, **EXACT_FLOORS}.items():
+            if name in row and row[name] > bound:
+                return f"layer {row['layer']} {name}: p90 rel. L2 {row[name]:.2e} > {bound:.1e}"
+        for name, floor in DISCRETE_FLOORS.items():
+            if name in row and row[name] < floor:
+                return f"layer {row['layer']} {name}: agreement {row[name]:.3f} < {floor}"
+    return None

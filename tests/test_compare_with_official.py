@@ -94,6 +94,16 @@ def test_fp8_and_fp4_gemm_equal_matmul_of_dequantized_inputs(out_features):
     assert ((out4.double() - expected4).norm() / expected4.norm()).item() < 1e-6
 
 
+def test_kernels_accept_zero_rows():  # an expert that no token chose
+    a = torch.zeros(0, 64).bfloat16()
+    qa, sa = kernels.act_quant(a, 32, "ue8m0")
+    assert qa.shape == (0, 64) and sa.shape == (0, 2)
+    packed, scale = encode_fp4_packed(torch.randn(16, 64), 32)
+    assert kernels.fp4_gemm(qa, sa, packed.view(torch.float4_e2m1fn_x2), scale).shape == (0, 16)
+    assert kernels.fp8_gemm(qa, sa, *encode_fp8_blockwise(torch.randn(16, 64), 32)).shape == (0, 16)
+    assert [t.shape for t in kernels.fp4_act_quant(a, 16, scale_dtype=torch.float8_e4m3fn)] == [(0, 32), (0, 4)]
+
+
 def test_sparse_attn_and_hc_split_sinkhorn_match_the_package():
     torch.manual_seed(0)
     q, kv = torch.randn(2, 5, 4, 64).bfloat16(), torch.randn(2, 9, 64).bfloat16()

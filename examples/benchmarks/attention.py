@@ -1,7 +1,7 @@
 """CSA2 sparse attention on one GPU: TileLang kernels vs the PyTorch reference, forward and backward.
 
     python examples/benchmarks/attention.py                      # V4.1 shape: b=1 s=4096 h=64 d=512 k=640
-    python examples/benchmarks/attention.py --variants all --out examples/benchmarks/results/attention_h200.txt
+    python examples/benchmarks/attention.py --ratio 2 --out examples/benchmarks/results/attention_h200.txt
 
 FLOP convention: forward 4·b·s·h·k·d (QKᵀ and P·V), backward 2.5x the forward (QKᵀ recompute, dO·Vᵀ,
 dS·K, dSᵀ·Q, Pᵀ·dO), with k the index slots including empty (-1) ones.  Times are CUDA-event
@@ -81,7 +81,6 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--peak", type=float, default=790.0, help="bf16 dense TFLOP/s ceiling for MFU")
-    ap.add_argument("--variants", default="default", help="forward kernel variants: 'default', 'all' or e.g. ws,simple")
     ap.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
     ap.add_argument("--out", type=Path, help="also append the table to this file")
     args = ap.parse_args()
@@ -92,12 +91,6 @@ def main():
     b, s, h, d, k = args.b, args.s, args.h, args.d, WINDOW + args.topk
     fwd_flop = 4 * b * s * h * k * d
     bwd_flop = 2.5 * fwd_flop
-    if args.variants == "all":
-        variants = ["ws", "simple"]
-    elif args.variants == "default":
-        variants = [kt.FWD_VARIANT]
-    else:
-        variants = args.variants.split(",")
 
     rows = []
     dev = torch.cuda.get_device_name()
@@ -106,13 +99,8 @@ def main():
         f"n={s + s // args.ratio}; fwd {fwd_flop / 1e9:.1f} GFLOP, bwd {bwd_flop / 1e9:.1f} GFLOP; "
         f"median of {args.reps} after {args.warmup} warm-up"
     )
-    for fv in variants:
-        def attn(q, kv, sink, idx, scale, fv=fv):
-            return kt._SparseAttention.apply(q, kv, sink, idx, scale, fv)
-
-        fwd, bwd = measure(attn, b, s, h, d, args.topk, args.ratio, args.warmup, args.reps)
-        rows.append((f"tilelang ({fv} fwd)", s, fwd, bwd, fwd_flop, bwd_flop))
-        print(rows[-1], flush=True)
+    fwd, bwd = measure(kt.sparse_attention_tilelang, b, s, h, d, args.topk, args.ratio, args.warmup, args.reps)
+    rows.append(("tilelang", s, fwd, bwd, fwd_flop, bwd_flop))
 
     if not args.no_reference:
         ref_s = s

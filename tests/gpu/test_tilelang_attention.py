@@ -70,10 +70,9 @@ def test_availability_reason_names_missing_piece():
 
 
 @pytest.mark.parametrize("b,s,h,d,topk,ratio", SHAPES)
-@pytest.mark.parametrize("fwd_variant", ["ws", "simple"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not AVAILABLE, reason=REASON)
-def test_sparse_attention_matches_torch(b, s, h, d, topk, ratio, fwd_variant):
+def test_sparse_attention_matches_torch(b, s, h, d, topk, ratio):
     q, kv, sink, idx, do = make_case(b, s, h, d, topk, ratio, seed=s + h)
     scale = d**-0.5
 
@@ -83,7 +82,7 @@ def test_sparse_attention_matches_torch(b, s, h, d, topk, ratio, fwd_variant):
     out_ref.backward(do.float())
 
     qt, kvt, st = (t.detach().clone().requires_grad_() for t in (q, kv, sink))
-    out = kt._SparseAttention.apply(qt, kvt, st, idx, scale, fwd_variant)
+    out = kt.sparse_attention_tilelang(qt, kvt, st, idx, scale)
     out.backward(do)
 
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
@@ -97,7 +96,7 @@ def test_sparse_attention_matches_torch(b, s, h, d, topk, ratio, fwd_variant):
         "dkv": rel_err(kvt.grad, kvr.grad),
         "dsink": rel_err(st.grad, sr.grad),
     }
-    print(fwd_variant, errs)
+    print(errs)
     assert all(e < 1e-2 for e in errs.values()), errs
 
 

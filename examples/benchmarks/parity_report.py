@@ -1,0 +1,59 @@
+"""Measure parity with the official implementation on every golden fixture and print a report.
+
+    python examples/benchmarks/parity_report.py [--out examples/benchmarks/results/parity_cpu.txt]
+
+End to end (fp32 vs the official fp32 run, bf16 vs the official bf16 run; full vocabulary at every position)
+and teacher-forced per layer in bf16 (worst layer per tensor), with the gates the CI tests enforce.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import deepseek_v41  # noqa: F401  (registers the Auto classes)
+from deepseek_v41.parity import GATES, gate_failures, logits_metrics, model_inputs, reference_logits, teacher_forced
+
+GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--golden", type=Path, default=GOLDEN)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    lines = []
+    for fixture in sorted(p for p in args.golden.iterdir() if (p / "reference" / "golden.safetensors").is_file()):
+        g = load_file(str(fixture / "reference" / "golden.safetensors"))
+        for precision, dtype, tag in (("fp32", torch.float32, "bf16w_fp32"), ("bf16", torch.bfloat16, "bf16w_bf16")):
+            model = AutoModelForCausalLM.from_pretrained(fixture / "snapshot", dtype=dtype)
+            with torch.no_grad():
+                logits = model(**model_inputs(g)).logits
+            m = logits_metrics(reference_logits(g, tag, model), logits)
+            verdict = "PASS" if not gate_failures(m, GATES[precision]) else f"FAIL {gate_failures(m, GATES[precision])}"
+            lines.append(f"{fixture.name} {precision} vs {tag}: mean KL {m['mean_kl']:.2e}  p95 KL {m['p95_kl']:.2e}  "
+                         f"max KL {m['max_kl']:.2e}  cosine {m['cosine']:.7f}  top-1 {m['top1']:.4f}  "
+                         f"rel L2 {m['rel_l2']:.2e}  {verdict}")
+            if precision == "bf16":
+                rows = teacher_forced(model, g)
+                worst = {}
+                for row in rows:
+                    for key, value in row.items():
+                        if key == "layer":
+                            continue
+                        better_low = key not in ("router", "topk", "candidates")
+                        if key not in worst or (value > worst[key][0] if better_low else value < worst[key][0]):
+                            worst[key] = (value, row["layer"])
+                lines.append(f"{fixture.name} teacher-forced bf16, worst layer per tensor: " + json.dumps(
+                    {k: f"{v:.2e} (layer {layer})" for k, (v, layer) in worst.items()}))
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
