@@ -11,7 +11,9 @@ differently") and architecture.md §5-§7, with the keyword names public descrip
 use. The real file was not available when this was written: check every signature against it before
 trusting a run (a wrong keyword fails loudly with a TypeError; a different default block size would not).
 
-Numerics (every computation reuses the package's own quantizers, decoders and attention):
+Numerics (the package's own FP8/FP4 encoders, decoders, quantize-dequantize references and sparse attention
+are reused; only the mHC split is restated, since ``deepseek_v41.mhc.hc_mix`` computes it inline from the
+streams, and a test holds the two bit-identical). Pure PyTorch: they run on CPU or CUDA tensors alike.
 
 | kernel              | semantics                                                                          |
 |---------------------|------------------------------------------------------------------------------------|
@@ -73,8 +75,7 @@ def _scales_as(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
 
 def act_quant(x: torch.Tensor, block_size: int = 32, scale_fmt: str | None = None,
               scale_dtype: torch.dtype = torch.float32, inplace: bool = False):
-    """x [..., k] -> (FP8 e4m3 [..., k], scale [..., k / block_size]); ``inplace``: x <- dequantized, returns
-    x.
+    """x [..., k] -> (FP8 e4m3 [..., k], scale [..., k / block_size]); ``inplace``: x <- dequantized x.
 
     ``scale_fmt`` set (``"ue8m0"``) or a UE8M0 ``scale_dtype``: power-of-two scales 2^ceil(log2(amax / 448));
     otherwise the plain fp32 scale amax / 448. amax is floored at 1e-4.
@@ -96,7 +97,7 @@ def act_quant(x: torch.Tensor, block_size: int = 32, scale_fmt: str | None = Non
 
 def _pack_e2m1(values: torch.Tensor) -> torch.Tensor:
     # values exactly on E2M1 levels [n, k] -> packed codes [n, k / 2] (low nibble = even column)
-    code = torch.searchsorted(_E2M1_MAGNITUDES, values.abs().contiguous()).to(torch.uint8)
+    code = torch.searchsorted(_E2M1_MAGNITUDES.to(values.device), values.abs().contiguous()).to(torch.uint8)
     code |= torch.signbit(values).to(torch.uint8) << 3
     return (code[:, 0::2] | (code[:, 1::2] << 4)).view(torch.float4_e2m1fn_x2)
 
@@ -104,7 +105,7 @@ def _pack_e2m1(values: torch.Tensor) -> torch.Tensor:
 def fp4_act_quant(x: torch.Tensor, block_size: int = 32, inplace: bool = False,
                   scale_dtype: torch.dtype = torch.float8_e8m0fnu):
     """x [..., k] -> (packed E2M1 [..., k / 2] float4_e2m1fn_x2, scale [..., k / block_size]); ``inplace``:
-    x <- dequantized, returns x.
+    x <- dequantized x.
 
     ``scale_dtype`` float8_e4m3fn: E4M3 value scales e4m3(max(amax, 6·2^-9) / 6) (compressed KV, groups of
     16); otherwise UE8M0 scales 2^ceil(log2(amax / 6)) (index q/k, groups of 32).

@@ -70,8 +70,9 @@ _QUANTIZED_TORCH_DTYPES = {
     torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.int8, torch.uint8
 }
 
-# ~64K output elements per step on CPU keeps the gather, the index and the scaling in L2.
-_CPU_CHUNK_ELEMENTS = 1 << 16
+# Output elements per thread per CPU decode step: the gather, its index and the scaling stay in cache
+# (measured: 2^18 decodes ~2x faster per core than whole-tensor passes, and than 2^14).
+_CPU_CHUNK_ELEMENTS = 1 << 18
 # Row blocks the loader decodes at once (output bytes); bounds the memory beyond the model.
 LOAD_BLOCK_BYTES = 64 << 20
 
@@ -145,7 +146,7 @@ def _scale_groups_(out: torch.Tensor, row_scale: torch.Tensor, group: int) -> No
 
 
 def _row_steps(rows: int, cols: int, device: torch.device) -> Iterator[tuple[int, int]]:
-    # CPU: row blocks of ~64K output elements per thread, so each step stays in cache; GPU: one step
+    # CPU: row blocks of _CPU_CHUNK_ELEMENTS outputs per thread, so each step stays in cache; GPU: one step
     if device.type == "cpu":
         step = max(1, _CPU_CHUNK_ELEMENTS * torch.get_num_threads() // max(cols, 1))
     else:

