@@ -47,6 +47,7 @@ from deepseek_v41.checkpoint import (
     encode_fp4_packed,
     encode_fp8_rows,
 )
+from deepseek_v41 import mhc
 from deepseek_v41.quantization import (
     FP4_MAX,
     FP8_MAX,
@@ -174,21 +175,11 @@ def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torc
     """mixes fp32 [..., (2 + hc) * hc] -> pre [..., hc], post [..., hc], comb [..., hc (src), hc (dst)].
 
     pre = sigmoid(m·s0 + b) + eps, post = 2·sigmoid(m·s1 + b), comb = Sinkhorn(softmax(m·s2 + b) + eps)
-    ending on a column normalization (architecture.md §7); the same fp32 operations in the same order as
-    ``deepseek_v41.mhc.hc_mix``, which computes them inline from the streams.
+    ending on a column normalization (architecture.md §7): ``deepseek_v41.mhc.hc_split_sinkhorn``, which
+    ``hc_mix`` applies to the streams' mixes too.
     """
     CALLS["hc_split_sinkhorn"] += 1
-    hc = hc_mult
-    mixes, hc_scale, hc_base = mixes.float(), hc_scale.float(), hc_base.float()
-    pre = torch.sigmoid(mixes[..., :hc] * hc_scale[0] + hc_base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * hc_scale[1] + hc_base[hc : 2 * hc])
-    comb = (mixes[..., 2 * hc :] * hc_scale[2] + hc_base[2 * hc :]).unflatten(-1, (hc, hc))
-    comb = torch.softmax(comb, dim=-1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return pre, post, comb
+    return mhc.hc_split_sinkhorn(mixes.float(), hc_scale, hc_base, hc_mult, sinkhorn_iters, eps)
 
 
 def install(name: str = "kernel") -> types.ModuleType:

@@ -15,15 +15,21 @@ def hc_mix(x, fn, base, scale, hc: int, sinkhorn_iters: int, hc_eps: float, norm
     flat = x.flatten(-2).float()
     inv_rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     mixes = torch.nn.functional.linear(flat, fn.float()) * inv_rms  # [b, s, (2+hc)*hc]
+    return hc_split_sinkhorn(mixes, scale, base, hc, sinkhorn_iters, hc_eps)
+
+
+def hc_split_sinkhorn(mixes, scale, base, hc: int, sinkhorn_iters: int, eps: float):
+    # mixes fp32 [..., (2+hc)*hc] -> pre [..., hc] (not normalised), post [..., hc] in (0, 2),
+    # comb [..., hc, hc]: Sinkhorn-balanced, ending on a column normalisation
     base, scale = base.float(), scale.float()
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
-    comb = torch.softmax(comb, dim=-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
     return pre, post, comb
 
 

@@ -68,7 +68,8 @@ class DeepseekV41Block(GradientCheckpointingLayer):
         y = self.attn(self.attn_norm(hc_pre(x, pre_in)), state)
         x = hc_post(y, x, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.mix(x, "ffn")
-        y = self.ffn(self.ffn_norm(hc_pre(x, attn_pre)), image_mask)
+        u = self.ffn_norm(hc_pre(x, attn_pre))  # [b, s, dim]; the MoE works on the flat token list
+        y = self.ffn(u.flatten(0, 1), None if image_mask is None else image_mask.flatten()).view_as(u)
         x = hc_post(y, x, ffn_post, ffn_comb)
         return x, ffn_pre
 

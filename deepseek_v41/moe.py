@@ -130,8 +130,7 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-        # x [b, s, dim], image_mask [b, s] | None -> [b, s, dim]: routed sum in fp32 + shared, one rounding
-        flat = x.flatten(0, 1)
-        weights, experts = self.gate(flat, None if image_mask is None else image_mask.flatten())
-        y = self.experts(flat, experts, weights) + self.shared_experts(flat).float()
-        return y.to(x.dtype).view_as(x)
+        # x [n, dim] tokens, image_mask [n] | None -> [n, dim]: routed sum in fp32 + shared, one rounding
+        weights, experts = self.gate(x, image_mask)
+        y = self.experts(x, experts, weights) + self.shared_experts(x).float()
+        return y.to(x.dtype)

@@ -123,7 +123,8 @@ def teacher_forced(model, g) -> list[dict]:
                 block_out, _ = layer(x, g[f"{prefix}.layer{i}.in_pre_mix"], state, input_ids=ids, image_mask=image_mask)
                 layer.engram = engram
                 row["attn_out"] = p90_relative_l2(captured[(i, "attn")], g[f"{prefix}.layer{i}.attn_out"])
-                row["ffn_out"] = p90_relative_l2(captured[(i, "ffn")], g[f"{prefix}.layer{i}.ffn_out"])
+                ffn_ref = g[f"{prefix}.layer{i}.ffn_out"]
+                row["ffn_out"] = p90_relative_l2(captured[(i, "ffn")].view_as(ffn_ref), ffn_ref)
                 row["block_out"] = p90_relative_l2(block_out, g[f"{prefix}.layer{i}.block_out"])
                 row["router"] = set_agreement(captured[(i, "experts")], g[f"{prefix}.layer{i}.router_experts"])
                 if f"{prefix}.layer{i}.compress_kv" in g:
