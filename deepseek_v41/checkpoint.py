@@ -510,11 +510,9 @@ class ReleasedCheckpoint:
         self.records = self._read_records()
         self.tensors = self._pair_scales()
         self._check_config_against_weights()
-
-    @property
-    def is_quantized(self) -> bool:
-        """True for a released quantized checkpoint (`quantization_config` and quantized tensors)."""
-        return self.quantization_config is not None
+        # a released quantized checkpoint, as opposed to a floating-point export
+        self.is_quantized = self.quantization_config is not None or any(
+            t.fmt != "plain" for t in self.tensors.values())
 
     @property
     def files(self) -> list[Path]:

@@ -495,6 +495,11 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
         dev = ("cuda", torch.cuda.current_device())
         count = 0
         for spec in shapes:
+            if not isinstance(spec, dict):
+                raise TypeError(
+                    f"warmup_tilelang_kernels takes one dict per kernel shape, got {spec!r}; "
+                    "tilelang_shapes_for(config, batch, seq) builds them from a text config"
+                )
             if spec.get("kind", "attention") == "indexer":
                 _indexer_kernel(spec["b"], spec["s"], spec["T"], spec["H"], spec["D"], int(spec["ratio"]), dev)
                 count += 1

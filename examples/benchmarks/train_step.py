@@ -72,7 +72,8 @@ def run(backend_name: str, backend: dict, seq: int, steps: int, tokenizer) -> di
         from deepseek_v41.kernels_tilelang import tilelang_shapes_for, warmup_tilelang_kernels
 
         warmup_tilelang_kernels(tilelang_shapes_for(model.config.text_config, 1, seq), torch.device("cuda"))
-    optimizer = RemainderAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    optimizer = RemainderAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
+                               exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)  # the recipe's
     ids = torch.randint(3, 129000, (1, seq), device="cuda")
     times = []
     torch.cuda.reset_peak_memory_stats()

@@ -103,7 +103,9 @@ def test_sparse_attention_matches_torch(b, s, h, d, topk, ratio):
 @pytest.mark.gpu
 @pytest.mark.skipif(not AVAILABLE, reason=REASON)
 def test_public_entry_point_and_input_errors():
-    q, kv, sink, idx, _ = make_case(1, 128, 64, 512, 64, 2, seed=3)
+    # k = 128 + 40 slots (padded inside to 192) and int64 indices, as the model passes them
+    q, kv, sink, idx, _ = make_case(1, 128, 64, 512, 40, 2, seed=3)
+    idx = idx.long()
     out = kt.sparse_attention_tilelang(q, kv, sink, idx, 512**-0.5)
     ref = sparse_attention_torch(q, kv, sink, idx, 512**-0.5)
     assert rel_err(out, ref) < 1e-2
@@ -140,3 +142,5 @@ def test_warmup_builds_and_caches():
     assert built >= 3 and size >= 3
     kt.warmup_tilelang_kernels([spec])
     assert len(kt._KERNELS) == size  # second call hits the in-process cache
+    with pytest.raises(TypeError, match="one dict per kernel shape"):
+        kt.warmup_tilelang_kernels([(1, 128)])
