@@ -29,13 +29,7 @@ from deepseek_v41.checkpoint import (
     check_checkpoint_matches_model,
     save_floating_point_checkpoint,
 )
-
-AUTO_MAP = {
-    "AutoConfig": "configuration_deepseek_v41.DeepseekV41Config",
-    "AutoModel": "modeling_deepseek_v41.DeepseekV41Model",
-    "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
-}
-
+from deepseek_v41.modeling_deepseek_v41 import AUTO_MAP
 
 def build_meta_model(src: Path) -> torch.nn.Module:
     """`DeepseekV41ForCausalLM` for SRC's config on the meta device: parameter names and shapes, no memory."""

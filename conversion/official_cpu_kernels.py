@@ -38,6 +38,7 @@ from collections import Counter
 
 import torch
 
+from deepseek_v41 import mhc
 from deepseek_v41.checkpoint import (
     E2M1_VALUES,
     decode_fp4_packed,
@@ -47,7 +48,6 @@ from deepseek_v41.checkpoint import (
     encode_fp4_packed,
     encode_fp8_rows,
 )
-from deepseek_v41 import mhc
 from deepseek_v41.quantization import (
     FP4_MAX,
     FP8_MAX,

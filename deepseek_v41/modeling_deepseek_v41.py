@@ -29,6 +29,14 @@ from .mhc import hc_mix, hc_post, hc_pre
 from .moe import MoE, RoutedExperts, Router
 
 
+# What an exported folder's config.json maps the Auto classes to (the flat remote-code files).
+AUTO_MAP = {
+    "AutoConfig": "configuration_deepseek_v41.DeepseekV41Config",
+    "AutoModel": "modeling_deepseek_v41.DeepseekV41Model",
+    "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
+}
+
+
 class DeepseekV41Block(GradientCheckpointingLayer):
     """One layer: [Engram] → attention sublayer → MoE sublayer, each wrapped by an mHC mix.
 
@@ -192,11 +200,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         config = self.config.to_dict()
         config.pop("quantization_config", None)
         config["architectures"] = [type(self).__name__]
-        config["auto_map"] = {
-            "AutoConfig": "configuration_deepseek_v41.DeepseekV41Config",
-            "AutoModel": "modeling_deepseek_v41.DeepseekV41Model",
-            "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
-        }
+        config["auto_map"] = AUTO_MAP
         config["dtype"] = str(self.embed.weight.dtype).removeprefix("torch.")
         text = config["text_config"]
         if "rope_parameters" in text:  # transformers >= 5.2x renames it; the release spells it rope_scaling

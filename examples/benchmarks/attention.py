@@ -10,13 +10,14 @@ MFU is against the measured bf16 dense GEMM ceiling of the H200 (~790 TFLOP/s, -
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from gpu_timing import time_ms
+
 from deepseek_v41 import kernels_tilelang as kt
 from deepseek_v41.sparse_attention import sparse_attention_torch
 
@@ -37,20 +38,6 @@ def csa2_indices(b, s, ratio, topk, device):
     comp = torch.where(top.values >= 0, top.indices + s, torch.full_like(top.indices, -1))
     comp = torch.cat([comp, comp.new_full((b, s, topk - k), -1)], dim=-1)
     return torch.cat([window.expand(b, s, WINDOW), comp], dim=-1).int().contiguous()
-
-
-def time_ms(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure(attn, b, s, h, d, topk, ratio, warmup, reps):

@@ -10,26 +10,12 @@ proportional to 1/(r+1) (a skewed router; the tail experts get few rows).  CUDA-
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-
-def time_ms(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from gpu_timing import time_ms
 
 
 def route(rows, experts, kind):

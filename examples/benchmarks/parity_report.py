@@ -15,7 +15,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import deepseek_v41  # noqa: F401  (registers the Auto classes)
-from deepseek_v41.parity import GATES, gate_failures, logits_metrics, model_inputs, reference_logits, teacher_forced
+from deepseek_v41.parity import (
+    GATES,
+    gate_failures,
+    logits_metrics,
+    model_inputs,
+    reference_logits,
+    teacher_forced,
+)
 
 GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"
 

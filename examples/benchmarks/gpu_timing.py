@@ -1,0 +1,20 @@
+"""CUDA-event timing shared by the GPU benchmarks."""
+
+import statistics
+
+import torch
+
+
+def time_ms(fn, warmup, reps):
+    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
