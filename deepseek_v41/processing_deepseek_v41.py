@@ -18,6 +18,8 @@ should be rendered with the official ``encoding_dsv4.py`` encoder into a string 
 processor as ``text`` (with ``IMAGE_PLACEHOLDER`` where images go).
 """
 
+import os
+from pathlib import Path
 from typing import ClassVar
 
 from transformers import AutoImageProcessor, AutoProcessor
@@ -218,6 +220,26 @@ class DeepseekV41Processor(ProcessorMixin):
             num_image_tokens=[image_span_length(*llm_grid(h, w, ratio)) for h, w in grids],
             num_image_patches=[h * w for h, w in grids],
         )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """A saved processor folder as usual; a released checkpoint snapshot (``config.json`` + ``tokenizer.json``,
+        no ``processor_config.json``) gets a processor built from its vision config and tokenizer."""
+        folder = Path(os.fspath(pretrained_model_name_or_path))
+        if folder.is_dir() and not (folder / "processor_config.json").is_file() and (folder / "config.json").is_file():
+            return cls.from_checkpoint(folder)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, folder):
+        """The processor of a released-format checkpoint folder: its vision config, tokenizer and image id."""
+        from transformers import AutoTokenizer
+
+        folder = Path(folder)
+        config = DeepseekV41Config.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        image_processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
+        return cls(image_processor, tokenizer, image_token_id=config.image_token_id)
 
     @property
     def model_input_names(self):

@@ -88,3 +88,21 @@ def test_mismatched_patches_are_rejected(model, processor):
     inputs["pixel_values"] = inputs["pixel_values"][:-1]
     with pytest.raises(ValueError, match="patch rows"):
         model(**inputs)
+
+
+def test_released_snapshot_processor_and_model_end_to_end():
+    from transformers import AutoModelForCausalLM, AutoProcessor
+
+    from conftest import golden_dir
+
+    snapshot = golden_dir("v41_tiny_vision") / "snapshot"
+    processor = AutoProcessor.from_pretrained(snapshot)  # no processor_config.json: built from config + tokenizer
+    assert isinstance(processor, DeepseekV41Processor) and processor.image_token_id == 129264
+    messages = [{"role": "user", "content": [{"type": "image", "image": image(98, 70, 6)},
+                                             {"type": "text", "text": "What is this?"}]}]
+    inputs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    assert inputs["image_grid_hws"].tolist() == [[5, 7]]
+    assert int((inputs["vision_token_types"] >= 0).sum()) == 2 * (3 + 1) + 2
+    model = AutoModelForCausalLM.from_pretrained(snapshot)
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
