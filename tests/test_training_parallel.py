@@ -245,5 +245,6 @@ if __name__ == "__main__":
             _model_case(sys.argv[2], sys.argv[3])
         else:
             raise SystemExit(f"unknown case {case}")
+        dist.barrier()  # both ranks leave together: a gloo pair torn down mid-exchange aborts the process
     finally:
         dist.destroy_process_group()
