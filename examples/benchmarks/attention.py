@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from gpu_timing import time_ms
+from gpu_timing import report, time_ms
 
 from deepseek_v41 import kernels_tilelang as kt
 from deepseek_v41.sparse_attention import sparse_attention_torch
@@ -116,12 +116,7 @@ def main():
             f"{name:24s} {rs:5d} {fwd:8.3f} {tf:12.1f} {100 * tf / args.peak:7.1f}% "
             f"{bwd:8.3f} {tb:12.1f} {100 * tb / args.peak:7.1f}%"
         )
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(text + "\n\n")
+    report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

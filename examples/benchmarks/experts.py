@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gpu_timing import time_ms
+from gpu_timing import report, time_ms
 
 
 def route(rows, experts, kind):
@@ -101,12 +101,7 @@ def main():
     for E in [int(e) for e in args.experts.split(",")]:
         lines += bench_experts(E, S, D, I, fwd_flop, args)
         torch.cuda.empty_cache()
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(text + "\n\n")
+    report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -18,3 +18,12 @@ def time_ms(fn, warmup, reps):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def report(text: str, out) -> None:
+    """Print a benchmark table and append it to ``out`` (a Path, or None)."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            f.write(text + "\n\n")
