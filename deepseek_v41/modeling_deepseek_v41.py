@@ -146,7 +146,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(
-        cls, pretrained_model_name_or_path, *model_args, config=None, dtype="auto", backend=None, tokenizer=None,
+        cls, pretrained_model_name_or_path=None, *model_args, config=None, dtype="auto", backend=None, tokenizer=None,
         device="cpu", revision=None, dequantize_base_checkpoint=None, **kwargs,
     ):
         """Load a released-format (FP8/FP4, dequantized here) or floating-point checkpoint.
@@ -397,7 +397,12 @@ def engram_hash_ids_for(engram_hash_ids, layer: DeepseekV41Block, text_config):
 
 
 def resolve_checkpoint_dir(name_or_path, revision=None) -> Path:
-    """A local folder as is; anything else is a Hub repo id downloaded (once, cached) at ``revision``."""
+    """A local folder as is; anything else is a Hub repo id downloaded (once, cached) at ``revision``.
+    ``None`` means the shared local snapshot named by ``DS41_CHECKPOINT``."""
+    if name_or_path is None:
+        name_or_path = os.environ.get("DS41_CHECKPOINT")
+        if not name_or_path:
+            raise ValueError("no checkpoint given: pass a folder or repo id, or set DS41_CHECKPOINT to the snapshot")
     path = Path(os.fspath(name_or_path)).expanduser()
     if path.is_dir():
         return path

@@ -97,3 +97,12 @@ def test_meta_built_and_materialized_equals_eager(exported, v4_tokenizer):
         assert torch.equal(buffer, meta.get_buffer(name)), f"buffer {name} not restored after to_empty"
     with torch.no_grad():
         assert torch.equal(meta.eval()(IDS).logits, model(IDS).logits)
+
+
+def test_ds41_checkpoint_names_the_default_snapshot(exported, monkeypatch):
+    _, folder = exported
+    monkeypatch.setenv("DS41_CHECKPOINT", str(folder))
+    assert DeepseekV41ForCausalLM.from_pretrained().config._name_or_path == str(folder)
+    monkeypatch.delenv("DS41_CHECKPOINT")
+    with pytest.raises(ValueError, match="DS41_CHECKPOINT"):
+        DeepseekV41ForCausalLM.from_pretrained()

@@ -88,3 +88,46 @@ def test_loaded_config_keeps_quantization_metadata():
     assert model.config.quantization_config["quant_method"] == "fp8"
     assert model.config.quantization_config["expert_dtype"] == "fp4"
     assert model.config.dequantize_base_checkpoint is True
+
+
+REMOTE = """
+import sys, torch
+sys.modules["deepseek_v41"] = None  # the package must not be importable: the code comes from the folder
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+folder, golden, out = sys.argv[1:4]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.bfloat16)
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+with torch.no_grad():
+    torch.save(model(load_file(golden)["input_ids"]).logits, out)
+"""
+
+
+def test_released_snapshot_through_trust_remote_code(tmp_path):
+    """The released snapshot plus our flat modeling files and an auto_map loads with trust_remote_code=True in a
+    Python without the package, and computes exactly what the installed package computes."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from deepseek_v41.modeling_deepseek_v41 import AUTO_MAP, remote_code_files
+
+    fixture = FIXTURES[0]
+    snapshot, folder = golden_dir(fixture) / "snapshot", tmp_path / "with_code"
+    folder.mkdir()
+    for item in snapshot.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item)
+    config = json.loads((snapshot / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": AUTO_MAP}))
+    for file in remote_code_files():
+        shutil.copy(file, folder / file.name)
+    golden_file = golden_dir(fixture) / "reference" / "golden.safetensors"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", REMOTE, str(folder), str(golden_file), str(tmp_path / "out.pt")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        expected = load_model(fixture, torch.bfloat16)(golden(fixture)["input_ids"]).logits
+    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
