@@ -31,6 +31,7 @@ from deepseek_v41.checkpoint import (
 )
 from deepseek_v41.modeling_deepseek_v41 import AUTO_MAP
 
+
 def build_meta_model(src: Path) -> torch.nn.Module:
     """`DeepseekV41ForCausalLM` for SRC's config on the meta device: parameter names and shapes, no memory."""
     from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config

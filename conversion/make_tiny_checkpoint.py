@@ -21,13 +21,8 @@ from pathlib import Path
 
 import torch
 
-from deepseek_v41.checkpoint import (
-    INDEX_FILE,
-    encode_fp4_packed,
-    encode_fp8_blockwise,
-    encode_fp8_rows,
-    write_safetensors,
-)
+from deepseek_v41.checkpoint import INDEX_FILE, write_safetensors
+from deepseek_v41.release_format import encode_fp4_packed, encode_fp8_blockwise, encode_fp8_rows
 
 # The golden tiny model's config (released structure, tiny sizes). Engram rows come from the prime rule
 # for engram_vocab_size 97, 4 heads, n-grams 2..4 (architecture.md §9.2).

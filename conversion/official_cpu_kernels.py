@@ -39,7 +39,14 @@ from collections import Counter
 import torch
 
 from deepseek_v41 import mhc
-from deepseek_v41.checkpoint import (
+from deepseek_v41.quantization import (
+    FP4_MAX,
+    FP8_MAX,
+    fp4_e4m3_scale_qdq_reference,
+    fp4_qdq_reference,
+    round_to_e2m1,
+)
+from deepseek_v41.release_format import (
     E2M1_VALUES,
     decode_fp4_packed,
     decode_fp8_blockwise,
@@ -47,13 +54,6 @@ from deepseek_v41.checkpoint import (
     e8m0_to_float,
     encode_fp4_packed,
     encode_fp8_rows,
-)
-from deepseek_v41.quantization import (
-    FP4_MAX,
-    FP8_MAX,
-    fp4_e4m3_scale_qdq_reference,
-    fp4_qdq_reference,
-    round_to_e2m1,
 )
 from deepseek_v41.sparse_attention import sparse_attention_torch
 

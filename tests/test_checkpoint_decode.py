@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import deepseek_v41.checkpoint as checkpoint_module
-from deepseek_v41.checkpoint import (
-    ReleasedCheckpoint,
+import deepseek_v41.release_format as release_format_module
+from deepseek_v41.checkpoint import ReleasedCheckpoint, read_safetensors_header
+from deepseek_v41.release_format import (
     decode_fp4_packed,
     decode_fp8_blockwise,
     decode_fp8_rows,
@@ -22,7 +22,6 @@ from deepseek_v41.checkpoint import (
     encode_fp4_packed,
     encode_fp8_blockwise,
     encode_fp8_rows,
-    read_safetensors_header,
 )
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -274,7 +273,7 @@ def test_e8m0_scales_and_legacy_f32_scales():
 
 def test_decode_into_out_and_row_steps_match_the_reference_formula(monkeypatch):
     # the CPU decoder works in cache-sized row steps: make them small and ragged here (1000 = 7 x 137 + 41)
-    monkeypatch.setattr(checkpoint_module, "_CPU_CHUNK_ELEMENTS", 137 * 1312 // torch.get_num_threads())
+    monkeypatch.setattr(release_format_module, "_CPU_CHUNK_ELEMENTS", 137 * 1312 // torch.get_num_threads())
     w = make_weight((1000, 1312), "normal", seed=3)
     q, scale = encode_fp8_blockwise(w)
     expected = q.float() * scale.float().repeat_interleave(32, 0).repeat_interleave(32, 1)[:1000, :1312]

@@ -15,13 +15,11 @@ from torch import nn
 
 from deepseek_v41.checkpoint import (
     CheckpointError,
-    encode_fp4_packed,
-    encode_fp8_blockwise,
-    encode_fp8_rows,
     load_checkpoint_into_model,
     released_to_model_name,
     write_safetensors,
 )
+from deepseek_v41.release_format import encode_fp4_packed, encode_fp8_blockwise, encode_fp8_rows
 
 REPO = Path(__file__).resolve().parents[1]
 QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",

@@ -17,13 +17,13 @@ from torch import nn
 import deepseek_v41.checkpoint as ckpt
 from deepseek_v41.checkpoint import (
     ReleasedCheckpoint,
-    encode_fp8_blockwise,
     load_checkpoint_into_model,
     read_safetensors_header,
     released_to_model_name,
     save_floating_point_checkpoint,
     write_safetensors,
 )
+from deepseek_v41.release_format import encode_fp8_blockwise
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

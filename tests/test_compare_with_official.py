@@ -20,16 +20,16 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import deepseek_v41  # noqa: F401  (registers the Auto classes)
-from deepseek_v41.checkpoint import (
-    ReleasedCheckpoint,
+from deepseek_v41.checkpoint import ReleasedCheckpoint
+from deepseek_v41.mhc import hc_mix
+from deepseek_v41.parity import logits_metrics
+from deepseek_v41.quantization import fp4_e4m3_scale_qdq_reference, fp4_qdq_reference, fp8_qdq_reference
+from deepseek_v41.release_format import (
     decode_fp4_packed,
     decode_fp8_blockwise,
     encode_fp4_packed,
     encode_fp8_blockwise,
 )
-from deepseek_v41.mhc import hc_mix
-from deepseek_v41.parity import logits_metrics
-from deepseek_v41.quantization import fp4_e4m3_scale_qdq_reference, fp4_qdq_reference, fp8_qdq_reference
 from deepseek_v41.sparse_attention import sparse_attention_torch
 
 sys.path.insert(0, str(REPO / "conversion"))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from deepseek_v41.checkpoint import (
+from deepseek_v41.release_format import (
     decode_fp4_packed,
     decode_fp8_blockwise,
     encode_fp4_packed,
