@@ -157,7 +157,12 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         """
         from .checkpoint import load_checkpoint_into_model
 
-        for unsupported in ("tp_plan", "tp_size", "device_mesh", "pp_plan", "distributed_config", "quantization_config"):
+        if kwargs.get("quantization_config") is not None:
+            raise NotImplementedError(
+                "quantization_config= is not supported: the released FP8/FP4 weights are dequantized while loading "
+                "(dequantize_base_checkpoint=True) and the model computes in bf16/fp32"
+            )
+        for unsupported in ("tp_plan", "tp_size", "device_mesh", "pp_plan", "distributed_config"):
             if kwargs.get(unsupported) is not None:
                 raise NotImplementedError(
                     f"{unsupported}= is not supported: deepseek_v41 trains with FSDP2 + expert parallelism "
@@ -192,10 +197,20 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         model.eval()
         return model
 
-    def save_pretrained(self, save_directory, max_shard_size="5GB", **kwargs):
+    def save_pretrained(self, save_directory, max_shard_size="5GB", is_main_process=True, safe_serialization=True,
+                        push_to_hub=False, **kwargs):
         """Export a floating-point checkpoint: released names, fp32 islands kept, no quantization metadata,
         remote-code files and ``auto_map`` included; written to a temporary folder renamed into place."""
         from .checkpoint import save_floating_point_checkpoint
+
+        if push_to_hub:
+            raise NotImplementedError("push_to_hub is not supported: save locally, then upload the folder")
+        if not safe_serialization:
+            raise ValueError("only safetensors checkpoints are written (safe_serialization=True)")
+        if kwargs:
+            raise TypeError(f"save_pretrained got unexpected keyword arguments {sorted(kwargs)}")
+        if not is_main_process:
+            return
 
         config = self.config.to_dict()
         config.pop("quantization_config", None)
