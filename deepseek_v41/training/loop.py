@@ -21,6 +21,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from deepseek_v41.training import data as data_lib
+from deepseek_v41.training.checkpointing import (
+    layout_of,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_modules
 from deepseek_v41.training.expert_parallel import (
     apply_expert_parallel,
@@ -41,6 +48,10 @@ class Trainer:
         self.recipe = recipe
         self.rank, self.world, self.device = _init_distributed(recipe["distributed"]["backend"])
         validate_world(recipe, self.world)
+        # Checked before the model is built: a wrong layout or a half-written folder fails in seconds.
+        self.resume_dir = resolve_resume(recipe)
+        if self.resume_dir is not None:
+            verify_checkpoint(self.resume_dir, layout_of(recipe, self.world))
         _seed_everything(recipe["seed"])
         self.out_dir = Path(recipe["output_dir"])
         if self.rank == 0:
@@ -200,11 +211,14 @@ class Trainer:
             t0 = time.perf_counter()
             self.prewarm()
             self._print(f"[finetune] prewarm done in {time.perf_counter() - t0:.1f} s")
+        # After prewarm, so the restored RNG states are the ones the next update would have seen.
+        self.first_step = self._resume()
+        save_every = r["checkpoint"]["save_every_steps"]
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start, train_time, train_tokens = time.perf_counter(), 0.0, 0.0
-        with open(metrics_path, "w") if self.rank == 0 else _NullFile() as metrics:
-            for update in range(self.max_steps):
+        with _open_metrics(metrics_path, self.first_step) if self.rank == 0 else _NullFile() as metrics:
+            for update in range(self.first_step, self.max_steps):
                 t0 = time.perf_counter()
                 stats = self.train_step(update)
                 step_time = time.perf_counter() - t0
@@ -222,6 +236,8 @@ class Trainer:
                     records.append(val)
                     self._emit(metrics, val)
                     self._print(f"[finetune] step {step}: validation loss {val['val_loss']:.4f}")
+                if save_every and (step % save_every == 0 or step == self.max_steps):
+                    save_checkpoint(self, step)
                 if step % 10 == 0:
                     gc.collect()
         self._summary(train_tokens / max(train_time, 1e-9), time.perf_counter() - start)
@@ -230,6 +246,19 @@ class Trainer:
 
             export_floating_point(self, r["checkpoint"]["export_dir"])
         return records
+
+    def _resume(self) -> int:
+        """Completed updates to continue from: 0, or the step of ``checkpoint.resume_from``."""
+        if self.resume_dir is None:
+            if self.recipe["checkpoint"]["resume_from"] == "latest":
+                self._print("[finetune] checkpoint.resume_from=latest: no checkpoint yet, starting at step 0")
+            return 0
+        step = load_checkpoint(self, self.resume_dir)
+        if step > self.max_steps:
+            raise ValueError(f"{self.resume_dir} is at step {step}, past this run's {self.max_steps} updates; "
+                             "raise step_scheduler.max_steps")
+        self._print(f"[finetune] resumed from {self.resume_dir} at step {step}")
+        return step
 
     # ---- reporting ---------------------------------------------------------------------------------
     def _emit(self, metrics, record):
@@ -243,7 +272,7 @@ class Trainer:
         total = self.max_steps
         width = 24
         filled = int(width * step / total)
-        eta = elapsed / step * (total - step)
+        eta = elapsed / (step - self.first_step) * (total - step)
         self._print(
             f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {record['loss']:.4f} | "
             f"grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
@@ -258,7 +287,8 @@ class Trainer:
             peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB -> GiB
             what = "resident memory (RSS)"
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        self._print(f"[finetune] done: {self.max_steps} updates in {wall:.1f} s, {tokens_per_s:.1f} tokens/s "
+        self._print(f"[finetune] done: {self.max_steps - self.first_step} updates in {wall:.1f} s, "
+                    f"{tokens_per_s:.1f} tokens/s "
                     f"(global, training steps only), peak {what} {float(peak):.2f} GiB per rank")
 
     def _print(self, text):
@@ -286,6 +316,15 @@ def average_summed_gradients(replicated: list, summed: list, world: int) -> None
     for p in list(replicated) + list(summed):
         if p.grad is not None:
             p.grad.div_(world)
+
+
+def _open_metrics(path: Path, first_step: int):
+    """metrics.jsonl for writing; on resume, keep the records up to ``first_step`` and append after them."""
+    if first_step == 0 or not path.is_file():
+        return open(path, "w")
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= first_step]
+    path.write_text("".join(line + "\n" for line in kept))
+    return open(path, "a")
 
 
 class _NullFile:

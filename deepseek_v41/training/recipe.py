@@ -51,7 +51,6 @@ DEFAULTS = {
         "global_batch_size": 64,
         "local_batch_size": 1,
         "val_every_steps": 50,
-        "ckpt_every_steps": 50,
         "num_epochs": 1,
     },
     "dataset": {
@@ -90,6 +89,9 @@ DEFAULTS = {
     "clip_grad_norm": {"max_norm": 1.0},
     "checkpoint": {
         "export_dir": None,  # floating-point export of the final weights (gathered on rank 0)
+        "save_every_steps": 0,  # training checkpoint every N updates and at the end; 0 = never
+        "dir": None,  # None = <output_dir>/checkpoints
+        "resume_from": None,  # None | a step_* folder | "latest" (the newest complete one, if any)
     },
     "wandb": {
         "enable": False,
@@ -250,6 +252,13 @@ def validate_recipe(recipe: dict) -> None:
         raise RecipeError(f"optimizer.impl={recipe['optimizer']['impl']!r}; use auto, te or torch_remainder")
     if recipe["lr_scheduler"]["lr_decay_style"] not in ("cosine", "linear", "constant"):
         raise RecipeError("lr_scheduler.lr_decay_style must be cosine, linear or constant")
+    ckpt = recipe["checkpoint"]
+    every = ckpt["save_every_steps"]
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise RecipeError(f"checkpoint.save_every_steps={every!r}; give a whole number of updates (0 = never save)")
+    for key, accepted in (("dir", "a folder path or null"), ("resume_from", "a step_* folder path, latest or null")):
+        if ckpt[key] is not None and (not isinstance(ckpt[key], str) or not ckpt[key]):
+            raise RecipeError(f"checkpoint.{key}={ckpt[key]!r}; give {accepted}")
     if recipe["model"]["config"]["pretrained_model_name_or_path"] in (None, ""):
         raise RecipeError(
             "model.config.pretrained_model_name_or_path is not set; pass "
