@@ -76,3 +76,15 @@ def tiny_model(v4_tokenizer, dtype=torch.float32, seed=0, **config_kwargs):
 
 def golden_config_dict(name: str) -> dict:
     return json.loads((golden_dir(name) / "snapshot" / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def vision_fixture_dir() -> Path:
+    return golden_dir("v41_tiny_vision")
+
+
+@pytest.fixture(scope="module")
+def vision_fixture_config(vision_fixture_dir):
+    from deepseek_v41 import DeepseekV41Config
+
+    return DeepseekV41Config(**json.loads((vision_fixture_dir / "snapshot" / "config.json").read_text()))

