@@ -128,11 +128,11 @@ def main():
                 rows.append(run(name, choices[name], seq, args.steps, tokenizer))
                 break
             except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                print(f"{name}: out of memory at seq {seq}; retrying at seq {seq // 2}")
-                seq //= 2
-                if seq < 256:
+                if seq // 2 < 256:
                     raise
+            torch.cuda.empty_cache()  # outside the except: the failed run's frames are released by now
+            print(f"{name}: out of memory at seq {seq}; retrying at seq {seq // 2}")
+            seq //= 2
     print(f"{'backend':8} {'attn':9} {'seq':>6} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU/989':>8} {'MFU/790':>8} {'peak GiB':>9}")
     for r in rows:
         print(f"{r['backend']:8} {r['attn']:9} {r['seq']:6d} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} "
