@@ -88,3 +88,18 @@ def vision_fixture_config(vision_fixture_dir):
     from deepseek_v41 import DeepseekV41Config
 
     return DeepseekV41Config(**json.loads((vision_fixture_dir / "snapshot" / "config.json").read_text()))
+
+
+def add_nested_parameters(root, spec: dict, device="cpu", factory=torch.zeros) -> None:
+    """Register ``{dotted name: (shape, dtype)}`` on ``root`` as parameters nested in plain modules, so a stand-in
+    model has exactly the model's parameter names (``layers.0.attn.wq_a.weight``)."""
+    from torch import nn
+
+    for name, (shape, dtype) in spec.items():
+        module = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]
+        module.register_parameter(leaf, nn.Parameter(factory(shape, dtype=dtype, device=device)))

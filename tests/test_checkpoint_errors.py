@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import add_nested_parameters
 from torch import nn
 
 from deepseek_v41.checkpoint import (
@@ -76,14 +77,7 @@ class FakeModel(nn.Module):
 
     def __init__(self, spec=MODEL_SPEC, text_config=None, device="cpu"):
         super().__init__()
-        for name, (shape, dtype) in spec.items():
-            module = self
-            *path, leaf = name.split(".")
-            for part in path:
-                if part not in module._modules:
-                    module.add_module(part, nn.Module())
-                module = module._modules[part]
-            module.register_parameter(leaf, nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)))
+        add_nested_parameters(self, spec, device)
         if text_config is not None:
             self.config = type("Config", (), {"text_config": type("TextConfig", (), dict(text_config))()})()
 

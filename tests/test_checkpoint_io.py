@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import add_nested_parameters
 from torch import nn
 
 import deepseek_v41.checkpoint as ckpt
@@ -56,14 +57,7 @@ class ContractModel(nn.Module):
             else:
                 shape, _ = spec.get(model_name, ((0, *stored.shape), None))
                 spec[model_name] = ((max(shape[0], expert + 1), *stored.shape), dtype or stored_dtype)
-        for name, (shape, param_dtype) in spec.items():
-            module = self
-            *path, leaf = name.split(".")
-            for part in path:
-                if part not in module._modules:
-                    module.add_module(part, nn.Module())
-                module = module._modules[part]
-            module.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=param_dtype, device=device)))
+        add_nested_parameters(self, spec, device, factory=torch.empty)
 
 
 @pytest.fixture(scope="module")
