@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .layers import RMSNorm
+
 # Token types of ``vision_token_types`` (the official ``token_types``).
 TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
 _TYPE_NAMES = {TEXT: "TEXT", IMAGE_START: "START", IMAGE: "IMAGE", IMAGE_NEWLINE: "NEWLINE", IMAGE_END: "END"}
@@ -51,20 +53,9 @@ def image_span_token_types(n_llm_h: int, n_llm_w: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------
 # ViT
 # ---------------------------------------------------------------------------------------------------------
-class DeepseekV41VisionRMSNorm(nn.Module):
-    """RMSNorm computed in fp32 with an fp32 weight (the official code holds vision norms in fp32), rounded
-    once to the input dtype."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
-        self.eps = eps
-
-    def forward(self, x):
-        # x [..., d] -> [..., d]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+def vision_norm(config) -> RMSNorm:
+    # fp32 weight, fp32 math, one rounding: the official code holds the vision norms in fp32
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, "torch_fp32", dtype=torch.float32)
 
 
 def vision_rope_cos_sin(n_h: int, n_w: int, head_dim: int, theta: float, device=None):
@@ -142,9 +133,9 @@ class DeepseekV41VisionBlock(GradientCheckpointingLayer):
 
     def __init__(self, config):
         super().__init__()
-        self.norm1 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm1 = vision_norm(config)
         self.attn = DeepseekV41VisionAttention(config)
-        self.norm2 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm2 = vision_norm(config)
         self.mlp = DeepseekV41VisionMLP(config)
 
     def forward(self, x, grid_hws, rope):
@@ -174,7 +165,7 @@ class DeepseekV41VisionTransformer(nn.Module):
         self.config = config
         self.patch_embed = DeepseekV41VisionPatchEmbed(config)
         self.blocks = nn.ModuleList(DeepseekV41VisionBlock(config) for _ in range(config.num_hidden_layers))
-        self.norm = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = vision_norm(config)
 
     def forward(self, pixel_values, image_grid_hws):
         # pixel_values [sum(h*w), 3, p, p] (images' patches concatenated, each row-major);

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from deepseek_v41.layers import RMSNorm
 from deepseek_v41.vision import (
     IMAGE,
     IMAGE_END,
@@ -12,7 +13,6 @@ from deepseek_v41.vision import (
     IMAGE_START,
     TEXT,
     DeepseekV41VisionAligner,
-    DeepseekV41VisionRMSNorm,
     DeepseekV41VisionTransformer,
     encode_images,
     image_span_length,
@@ -49,7 +49,7 @@ def _tower_and_aligner(vision_fixture_config, state):
         vision_fixture_config.vision_config, vision_fixture_config.text_config.hidden_size
     ).to(torch.bfloat16)
     for module in tower.modules():
-        if isinstance(module, DeepseekV41VisionRMSNorm):
+        if isinstance(module, RMSNorm):
             module.float()
     tower.load_state_dict({k[len("vision.") :]: v for k, v in state.items() if k.startswith("vision.")})
     aligner.load_state_dict({k[len("aligner.") :]: v for k, v in state.items() if k.startswith("aligner.")})
