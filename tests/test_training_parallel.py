@@ -248,3 +248,8 @@ if __name__ == "__main__":
         dist.barrier()  # both ranks leave together: a gloo pair torn down mid-exchange aborts the process
     finally:
         dist.destroy_process_group()
+    # Every check above passed. Skip interpreter teardown: on a loaded 2-core machine, C++ static destructors
+    # (gloo / autograd worker threads) occasionally abort with "terminate called without an active exception"
+    # after a clean run, which would turn a passing case into a flaky failure.
+    sys.stdout.flush()
+    os._exit(0)
