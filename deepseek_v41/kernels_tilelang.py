@@ -6,7 +6,7 @@ tested against it on the GPU (``tests/gpu/test_tilelang_attention.py``).
 
 Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query token, 64 heads):
 
-* forward: gathers the selected latent rows ``kv[idx]`` block by block (64 slots), online softmax
+* forward (compiled with TileLang's fast math: hardware ``ex2.approx``, ~4 % faster here): gathers the selected latent rows ``kv[idx]`` block by block (64 slots), online softmax
   in fp32 with the exponent in base 2, probabilities rounded to bf16 before P·V, and the sink
   ``exp(sink_h)`` added to the denominator at the end.  It saves the base-2 log-sum-exp
   ``lse2 = log2(sum_t exp(logit_t) + exp(sink_h))``, which the backward reuses.
@@ -338,11 +338,12 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
 # Compilation cache and launchers
 # ----------------------------------------------------------------------------------------------
 
-def _compile(program):
+def _compile(program, fast_math: bool = False):
     # name the architecture: Hopper needs the "a" variant (sm_90a) for wgmma
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-    return tilelang.compile(program, target={"kind": "cuda", "arch": arch}, pass_configs=_PASS_CONFIGS)
+    configs = {**_PASS_CONFIGS, "tl.enable_fast_math": True} if fast_math else _PASS_CONFIGS
+    return tilelang.compile(program, target={"kind": "cuda", "arch": arch}, pass_configs=configs)
 
 
 def _device_key(t: torch.Tensor):
@@ -353,7 +354,7 @@ def _attn_kernels(b, s, n, h, d, k, scale, device):
     """(forward kernel, [dKV/dS kernel, dQ kernel]) for one shape, built once per process."""
     shape = (b, s, n, h, d, k, float(scale))
     base = ("attn", shape, "bfloat16", device)
-    fwd = _cached(base + ("fwd",), lambda: _compile(_build_attn_fwd(*shape)))
+    fwd = _cached(base + ("fwd",), lambda: _compile(_build_attn_fwd(*shape), fast_math=True))
     bwd = [
         _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape))),
         _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6]))),

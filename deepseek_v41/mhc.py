@@ -10,12 +10,16 @@ All coefficients stay fp32 end to end.
 import torch
 
 
-def hc_mix(x, fn, base, scale, hc: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    # x [b, s, hc, d] -> pre [b, s, hc], post [b, s, hc], comb [b, s, hc(src), hc(dst)], all fp32
+def hc_mix_logits(x, fn, norm_eps: float) -> torch.Tensor:
+    # x [b, s, hc, d] -> fp32 [b, s, (2+hc)*hc]: the streams, RMS-normalised as one hc·d vector, times fn
     flat = x.flatten(-2).float()
     inv_rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = torch.nn.functional.linear(flat, fn.float()) * inv_rms  # [b, s, (2+hc)*hc]
-    return hc_split_sinkhorn(mixes, scale, base, hc, sinkhorn_iters, hc_eps)
+    return torch.nn.functional.linear(flat, fn.float()) * inv_rms
+
+
+def hc_mix(x, fn, base, scale, hc: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    # x [b, s, hc, d] -> pre [b, s, hc], post [b, s, hc], comb [b, s, hc(src), hc(dst)], all fp32
+    return hc_split_sinkhorn(hc_mix_logits(x, fn, norm_eps), scale, base, hc, sinkhorn_iters, hc_eps)
 
 
 def hc_split_sinkhorn(mixes, scale, base, hc: int, sinkhorn_iters: int, eps: float):
@@ -42,3 +46,13 @@ def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     # y [b, s, d], x [b, s, hc, d] -> [b, s, hc, d]: out_j = post_j * y + sum_i comb[i, j] * x_i
     mixed = torch.einsum("bsij,bsid->bsjd", comb.float(), x.float())
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(x.dtype)
+
+
+def mhc_ops(backend: dict) -> tuple:
+    """``(hc_mix, hc_pre, hc_post)`` for ``backend["mhc"]``: these eager fp32 functions (``torch``) or
+    tile-kernels' fused CUDA kernels (``tile_kernels``, ``mhc_tile_kernels.py``)."""
+    if backend["mhc"] == "tile_kernels":
+        from . import mhc_tile_kernels as fused
+
+        return fused.hc_mix, fused.hc_pre, fused.hc_post
+    return hc_mix, hc_pre, hc_post

@@ -24,8 +24,8 @@ from .attention import Attention, CSA2State
 from .backends import check_available, resolve_backend
 from .configuration_deepseek_v41 import DeepseekV41Config
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
-from .layers import RMSNorm, make_rms_norm
-from .mhc import hc_mix, hc_post, hc_pre
+from .layers import RMSNorm, make_head_matmul, make_rms_norm
+from .mhc import mhc_ops
 from .moe import MoE, RoutedExperts, Router
 
 
@@ -60,9 +60,10 @@ class DeepseekV41Block(GradientCheckpointingLayer):
         self.attn = Attention(config, layer, backend)
         self.ffn_norm = make_rms_norm(config.hidden_size, config.rms_norm_eps, backend)
         self.ffn = MoE(config, backend, has_image_bias)
+        self.hc_mix, self.hc_pre, self.hc_post = mhc_ops(backend)  # backend "mhc": torch or tile_kernels
 
     def mix(self, x, sub: str):
-        return hc_mix(
+        return self.hc_mix(
             x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"),
             self.hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
         )
@@ -73,12 +74,12 @@ class DeepseekV41Block(GradientCheckpointingLayer):
             hash_ids = engram_hash_ids if engram_hash_ids is not None else self.engram.hash(input_ids, image_mask)
             x = self.engram(x, hash_ids, image_mask)
         attn_pre, attn_post, attn_comb = self.mix(x, "attn")
-        y = self.attn(self.attn_norm(hc_pre(x, pre_in)), state)
-        x = hc_post(y, x, attn_post, attn_comb)
+        y = self.attn(self.attn_norm(self.hc_pre(x, pre_in)), state)
+        x = self.hc_post(y, x, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.mix(x, "ffn")
-        u = self.ffn_norm(hc_pre(x, attn_pre))  # [b, s, dim]; the MoE works on the flat token list
+        u = self.ffn_norm(self.hc_pre(x, attn_pre))  # [b, s, dim]; the MoE works on the flat token list
         y = self.ffn(u.flatten(0, 1), None if image_mask is None else image_mask.flatten()).view_as(u)
-        x = hc_post(y, x, ffn_post, ffn_comb)
+        x = self.hc_post(y, x, ffn_post, ffn_comb)
         return x, ffn_pre
 
 
@@ -256,6 +257,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 engram = Engram(text, i, text.engram_num_embeddings[k], constants[i], config.backend)
             self.layers.append(DeepseekV41Block(text, i, config.backend, self.has_vision, engram))
         self.norm = make_rms_norm(text.hidden_size, text.rms_norm_eps, config.backend)
+        self.hc_collapse = mhc_ops(config.backend)[1]  # the final hc_pre
         if self.has_vision:
             from .vision import DeepseekV41VisionAligner, DeepseekV41VisionTransformer
 
@@ -265,6 +267,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 setattr(self, name, nn.Parameter(torch.empty(text.hidden_size)))
         if self._with_head:  # the fp32 head (an fp32 island; held and computed in fp32)
             self.head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
+            self.head_matmul = make_head_matmul(config.backend)  # backend "head": fp32 or bf16x3
         self.post_init()
         for module in self.modules():  # hard top-k: the indexer gets no LM gradient, so it is frozen
             if hasattr(module, "indexer"):
@@ -296,7 +299,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         for layer in self.layers:
             hash_ids = engram_hash_ids_for(engram_hash_ids, layer, self.config.text_config)
             x, pre = layer(x, pre, state, input_ids=input_ids, image_mask=image_mask, engram_hash_ids=hash_ids)
-        return BaseModelOutput(last_hidden_state=self.norm(hc_pre(x, pre)))
+        return BaseModelOutput(last_hidden_state=self.norm(self.hc_collapse(x, pre)))
 
     def embed_images(self, h, input_ids, pixel_values, image_grid_hws, vision_token_types):
         if not self.has_vision:
@@ -330,7 +333,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
                 f"{None if input_ids is None else tuple(input_ids.shape)}: give one label per position (-100 = ignore)"
             )
         hidden = super().forward(input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-        logits = F.linear(hidden.float(), self.head.weight.float())
+        logits = self.head_matmul(hidden, self.head.weight)  # fp32 [b, s, vocab]
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, attention_mask)

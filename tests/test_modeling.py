@@ -168,6 +168,8 @@ def test_gpu_backend_on_cpu_names_the_missing_hardware(v4_tokenizer):
         tiny_model(v4_tokenizer, backend={"attn": "tilelang"})
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         tiny_model(v4_tokenizer, backend={"rms_norm": "te"})
+    with pytest.raises(RuntimeError, match="mhc backend 'tile_kernels' needs a CUDA GPU"):
+        tiny_model(v4_tokenizer, backend={"mhc": "tile_kernels"})
 
 
 def test_rms_norm_backends_agree_in_fp32(v4_tokenizer):
@@ -177,6 +179,35 @@ def test_rms_norm_backends_agree_in_fp32(v4_tokenizer):
     ids = ids_batch(s=32)
     with torch.no_grad():
         torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_bf16x3_matmul_is_fp32_accurate_and_plain_bf16_is_not():
+    from deepseek_v41.layers import mm_bf16x3
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 512, generator=g), torch.randn(512, 96, generator=g)
+    exact = a.double() @ b.double()
+    assert rel_err(mm_bf16x3(a, b), exact) < 2e-5  # measured 4e-6
+    assert rel_err(a.bfloat16().float() @ b.bfloat16().float(), exact) > 1e-3  # what the low halves buy
+
+
+def test_bf16x3_head_matches_the_fp32_head_with_gradients(v4_tokenizer):
+    ref = tiny_model(v4_tokenizer, dtype=torch.float32).train()
+    emu = tiny_model(v4_tokenizer, dtype=torch.float32, backend={"head": "bf16x3"}).train()
+    emu.load_state_dict(ref.state_dict())
+    ids = ids_batch(s=32)
+    out_ref, out_emu = ref(ids, labels=ids), emu(ids, labels=ids)
+    assert out_emu.logits.dtype == torch.float32
+    assert rel_err(out_emu.logits, out_ref.logits) < 3e-5  # measured 5e-6
+    out_ref.loss.backward()
+    out_emu.loss.backward()
+    for name in ("head.weight", "norm.weight", "layers.8.ffn.shared_experts.w2.weight"):
+        grad_ref, grad_emu = ref.get_parameter(name).grad, emu.get_parameter(name).grad
+        assert rel_err(grad_emu, grad_ref) < 3e-5, name  # measured <= 4e-6
 
 
 def test_activation_checkpointing_gives_identical_gradients(v4_tokenizer):

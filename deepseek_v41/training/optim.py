@@ -11,10 +11,19 @@ operations in the same order as ``torch.optim.AdamW``'s single-tensor path), and
 be stored in bf16 (the recipe's ``exp_avg_dtype`` / ``exp_avg_sq_dtype``); fp32 parameters (the mHC,
 sink, compressor and head islands) are updated in place with fp32 moments of the requested dtype.
 
+``fused_adamw_`` is the same update for one tensor written as one elementwise expression (master rebuilt
+with int32 bit ops, fp32 math in registers, results ``copy_``-ed back), so ``torch.compile`` turns it into a
+single kernel that reads and writes each state tensor once (~18 bytes/element for bf16 params and moments
+instead of ~130 for the per-op path).  ``RemainderAdamW(fused=None)`` uses it compiled on CUDA.  Run eagerly
+(CPU) it is bit-identical to the per-op path; compiled on CUDA, Inductor may contract a mul+add into an FMA,
+so it matches to within an ulp of the fp32 master rather than bit for bit.  The per-op path
+(``fused=False``, and the CPU default) stays bit-exact with ``torch.optim.AdamW``.
+
 Transformer Engine's ``FusedAdam`` (``store_param_remainders``) is used instead when it is importable and a
 GPU is present (``optimizer.impl: auto``).
 """
 
+import functools
 import math
 import sys
 
@@ -41,13 +50,68 @@ def split_master(master: torch.Tensor) -> tuple:
     return halves[..., 1].view(torch.bfloat16), halves[..., 0]
 
 
+def _adamw_scalars(lr, beta1, beta2, eps, weight_decay, step) -> tuple:
+    """This step's scalar factors, in Python double exactly as ``torch.optim.AdamW`` computes them (each op then
+    rounds its scalar to fp32 once): ``(decay, 1 - beta1, beta2, 1 - beta2, eps, bias_correction2_sqrt,
+    -lr / bias_correction1)``.  Shared by the per-op and fused paths so both see the same fp32 values."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    return (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, bias_correction2_sqrt, -(lr / bias_correction1))
+
+
+def fused_adamw_(param, remainder, grad, exp_avg, exp_avg_sq, scalars) -> None:
+    """One tensor's AdamW update in place, as one elementwise expression (``torch.compile`` fuses it).
+
+    ``param`` is bf16 with its int16 ``remainder`` or fp32 with ``remainder=None``; ``grad`` any float dtype;
+    moments bf16 or fp32 storage.  ``scalars`` is a fp32 tensor ``[7]`` on ``param``'s device holding
+    ``_adamw_scalars(...)``: a tensor rather than floats, so one compiled graph serves every step and LR.
+    """
+    decay, weight1, beta2, weight2, eps, bias_correction2_sqrt, step_size = scalars.unbind(0)
+    grad = grad.float()
+    if remainder is None:
+        master = param.float()
+    else:  # join_master without torch.stack: high half sign-extended then shifted, low half zero-extended
+        high = param.view(torch.int16).to(torch.int32) << 16
+        master = (high | (remainder.to(torch.int32) & 0xFFFF)).view(torch.float32)
+    # The CPU kernels of lerp_ and addcmul_ use FMAs (vectorized), so separate mul/add are not bit-identical: call the
+    # same ops.  addcmul(s * beta2, weight2 * g, g) == s.mul_(beta2).addcmul_(g, g, value=weight2), since the
+    # kernel computes (value * t1) * t2 and multiplying by value=1 is exact; likewise for addcdiv.
+    new_avg = torch.lerp(exp_avg.float(), grad, weight1)
+    new_avg_sq = torch.addcmul(exp_avg_sq.float() * beta2, weight2 * grad, grad)
+    denom = new_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    master = torch.addcdiv(master * decay, step_size * new_avg, denom)
+    if remainder is None:
+        param.copy_(master)
+    else:  # split_master: arithmetic shift keeps the high half's sign; (b << 16) >> 16 sign-extends the low half
+        bits = master.view(torch.int32)
+        param.copy_((bits >> 16).to(torch.int16).view(torch.bfloat16))
+        remainder.copy_(((bits << 16) >> 16).to(torch.int16))
+    exp_avg.copy_(new_avg)  # rounds to bf16 storage once, like the per-op path
+    exp_avg_sq.copy_(new_avg_sq)
+
+
+@functools.cache
+def _compiled_fused_adamw_():
+    # Compiled lazily, once per process.  dynamic=True: one graph for every numel (the caller flattens to 1-D so
+    # the rank never varies); each dtype combination (remainder present or None included) is its own graph.
+    return torch.compile(fused_adamw_, dynamic=True, fullgraph=True)
+
+
 class RemainderAdamW(torch.optim.Optimizer):
-    """AdamW over bf16 params with int16-remainder fp32 masters (and plain fp32 params)."""
+    """AdamW over bf16 params with int16-remainder fp32 masters (and plain fp32 params).
+
+    ``fused``: ``None`` = the compiled ``fused_adamw_`` for CUDA parameters, the per-op path otherwise;
+    ``True`` = ``fused_adamw_`` always (compiled on CUDA, eager elsewhere); ``False`` = the per-op path.
+    Tensors with fewer than 2 elements or non-contiguous ones always take the per-op path.
+    """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32):
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, fused=None):
         if sys.byteorder != "little":
             raise RuntimeError("RemainderAdamW splits fp32 words into int16 halves and assumes a little-endian host")
+        if fused is not None and not isinstance(fused, bool):
+            raise ValueError(f"RemainderAdamW(fused={fused!r}): use None (auto: compiled on CUDA), True or False")
+        self.fused = fused
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}
         super().__init__(params, defaults)
@@ -71,35 +135,54 @@ class RemainderAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("RemainderAdamW does not take a closure")
+        device_scalars = {}  # one host->device copy per distinct (scalars, device) per step, not per tensor
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 local = _local(p)
-                grad = _local(p.grad).float()
                 state = self._state(p, local, group)
                 state["step"] += 1
-                step = float(state["step"])
-                master = join_master(local, state["remainder"]) if local.dtype == torch.bfloat16 else local
-                exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
+                scalars = _adamw_scalars(lr, beta1, beta2, eps, wd, float(state["step"]))
+                remainder, grad = state.get("remainder"), _local(p.grad)
+                tensors = [local, remainder, grad, state["exp_avg"], state["exp_avg_sq"]]
+                # 0/1-element and non-contiguous tensors take the per-op path: dynamo would compile a graph for
+                # each (sizes 0 and 1 are specialized, other ranks), and with fullgraph=True hitting the
+                # recompile limit is an error.  What remains compiles once per dtype combination.
+                if not ((self.fused if self.fused is not None else local.device.type == "cuda")
+                        and local.numel() > 1 and all(t is None or t.is_contiguous() for t in tensors)):
+                    self._per_op_update(local, remainder, grad.float(), state, scalars)
+                    continue
+                key = (scalars, local.device)
+                if key not in device_scalars:
+                    device_scalars[key] = torch.tensor(scalars, dtype=torch.float32)
+                    if local.device.type == "cuda":  # pinned + non_blocking: a pageable copy would sync the GPU
+                        device_scalars[key] = device_scalars[key].pin_memory().to(local.device, non_blocking=True)
+                update = _compiled_fused_adamw_() if local.device.type == "cuda" else fused_adamw_
+                update(*[t if t is None else t.detach().view(-1) for t in tensors], device_scalars[key])
 
-                master.mul_(1 - lr * wd)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias_correction1 = 1 - beta1**step
-                bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                master.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    @staticmethod
+    def _per_op_update(local, remainder, grad, state, scalars):
+        # torch.optim.AdamW's single-tensor path, op for op, on the rebuilt fp32 master.
+        decay, weight1, beta2, weight2, eps, bias_correction2_sqrt, step_size = scalars
+        master = join_master(local, remainder) if remainder is not None else local
+        exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
 
-                if local.dtype == torch.bfloat16:
-                    high, low = split_master(master)
-                    local.copy_(high)
-                    state["remainder"].copy_(low)
-                if state["exp_avg"].data_ptr() != exp_avg.data_ptr():  # bf16 storage: round back once
-                    state["exp_avg"].copy_(exp_avg)
-                if state["exp_avg_sq"].data_ptr() != exp_avg_sq.data_ptr():
-                    state["exp_avg_sq"].copy_(exp_avg_sq)
+        master.mul_(decay)
+        exp_avg.lerp_(grad, weight1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=weight2)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        master.addcdiv_(exp_avg, denom, value=step_size)
+
+        if remainder is not None:
+            high, low = split_master(master)
+            local.copy_(high)
+            remainder.copy_(low)
+        if state["exp_avg"].data_ptr() != exp_avg.data_ptr():  # bf16 storage: round back once
+            state["exp_avg"].copy_(exp_avg)
+        if state["exp_avg_sq"].data_ptr() != exp_avg_sq.data_ptr():
+            state["exp_avg_sq"].copy_(exp_avg_sq)
 
     def master_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The exact fp32 master of ``p`` (its local shard), for checks and export."""
@@ -111,7 +194,8 @@ class RemainderAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(params, cfg: dict, device_type: str):
-    """``optimizer.impl``: ``te`` (Transformer Engine FusedAdam), ``torch_remainder`` (ours), or ``auto``."""
+    """``optimizer.impl``: ``te`` (Transformer Engine FusedAdam), ``torch_remainder`` (ours), or ``auto``;
+    ``optimizer.fused`` (null = auto, true, false) is ``RemainderAdamW``'s ``fused``."""
     impl = cfg["impl"]
     kwargs = {"lr": cfg["lr"], "betas": tuple(cfg["betas"]), "eps": cfg["eps"], "weight_decay": cfg["weight_decay"]}
     moments = {"exp_avg_dtype": _DTYPES[cfg["exp_avg_dtype"]], "exp_avg_sq_dtype": _DTYPES[cfg["exp_avg_sq_dtype"]]}
@@ -130,7 +214,7 @@ def build_optimizer(params, cfg: dict, device_type: str):
                              master_weight_dtype=torch.float32, store_param_remainders=True, **moments, **kwargs)
         if impl == "te":
             raise RuntimeError("optimizer.impl=te needs a CUDA device; use optimizer.impl=torch_remainder on CPU")
-    return RemainderAdamW(params, **kwargs, **moments)
+    return RemainderAdamW(params, **kwargs, **moments, fused=cfg.get("fused"))
 
 
 def lr_at(step: int, cfg: dict, max_lr: float) -> float:

@@ -79,6 +79,7 @@ DEFAULTS = {
         "weight_decay": 0.1,
         "exp_avg_dtype": "bfloat16",
         "exp_avg_sq_dtype": "bfloat16",
+        "fused": None,  # torch_remainder one-kernel update: null = compiled on CUDA, per-op on CPU | true | false
     },
     "lr_scheduler": {
         "lr_warmup_steps": 10,
@@ -250,6 +251,9 @@ def validate_recipe(recipe: dict) -> None:
         raise RecipeError("model.lm_head_precision must be float32 or bfloat16")
     if recipe["optimizer"]["impl"] not in ("auto", "te", "torch_remainder"):
         raise RecipeError(f"optimizer.impl={recipe['optimizer']['impl']!r}; use auto, te or torch_remainder")
+    fused = recipe["optimizer"]["fused"]
+    if fused is not None and not isinstance(fused, bool):
+        raise RecipeError(f"optimizer.fused={fused!r}; use null (auto: fused on CUDA), true or false")
     if recipe["lr_scheduler"]["lr_decay_style"] not in ("cosine", "linear", "constant"):
         raise RecipeError("lr_scheduler.lr_decay_style must be cosine, linear or constant")
     ckpt = recipe["checkpoint"]

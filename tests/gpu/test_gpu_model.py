@@ -33,6 +33,14 @@ def cosine(a, b):
 
 
 def test_tiny_model_gpu_backends_match_torch():
+    """tilelang in bf16 is no further from the fp32 model than the torch backend in bf16 is.
+
+    A direct bf16-vs-bf16 comparison is not a fair gate: rounding differences flip near-tied indexer top-k
+    choices (top-8 of up to 64 here), which moves logits by more than rounding alone.  Both bf16 runs are
+    therefore measured against the same model in fp32 (the bf16 weights, upcast), and the tilelang run's
+    error must stay within a small factor of the torch run's.  A wrong kernel (a dropped sink, a wrong
+    mask, a missing gradient term) lands far outside that.
+    """
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,21 +49,42 @@ def test_tiny_model_gpu_backends_match_torch():
     tok = v4_tokenizer()
     # Tiny widths, but V4.1's per-head dims (the shapes the kernels are built and validated for).
     heads = {"head_dim": 512, "qk_rope_head_dim": 64, "index_n_heads": 32, "index_head_dim": 128}
-    ref = tiny_model(tok, dtype=torch.bfloat16, text=heads, backend={"attn": "torch"}).cuda().train()
-    gpu = tiny_model(tok, dtype=torch.bfloat16, text=heads, backend={"attn": "tilelang"}).cuda().train()
-    gpu.load_state_dict(ref.state_dict())
+    ref16 = tiny_model(tok, dtype=torch.bfloat16, text=heads, backend={"attn": "torch"}).cuda().train()
+    gpu16 = tiny_model(tok, dtype=torch.bfloat16, text=heads, backend={"attn": "tilelang"}).cuda().train()
+    ref32 = tiny_model(tok, dtype=torch.float32, text=heads, backend={"attn": "torch"}).cuda().train()
+    gpu16.load_state_dict(ref16.state_dict())
+    ref32.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in ref16.state_dict().items()})
     ids = torch.randint(3, 1024, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
-    out_ref, out_gpu = ref(ids, labels=ids), gpu(ids, labels=ids)
-    out_ref.loss.backward()
-    out_gpu.loss.backward()
-    # bf16 rounding differs between kernels (~1e-3 relative), so compare with bf16-level tolerances.
-    assert cosine(out_gpu.logits, out_ref.logits) > 0.9999
-    assert abs(out_gpu.loss.item() - out_ref.loss.item()) < 5e-3 * out_ref.loss.item()
-    checked = 0
-    for (name, a), b in zip(ref.named_parameters(), gpu.parameters()):
-        if a.grad is None or a.grad.abs().sum() == 0:
-            assert b.grad is None or b.grad.abs().sum() == 0, name
+    outs = {name: m(ids, labels=ids) for name, m in (("ref32", ref32), ("ref16", ref16), ("gpu16", gpu16))}
+    for out in outs.values():
+        out.loss.backward()
+    err = {k: 1 - cosine(outs[k].logits, outs["ref32"].logits) for k in ("ref16", "gpu16")}
+    print(f"logit 1-cosine vs fp32: torch bf16 {err['ref16']:.2e}, tilelang bf16 {err['gpu16']:.2e}")
+    assert err["gpu16"] <= 2 * err["ref16"] + 1e-4
+    loss_err = {k: abs(outs[k].loss.item() - outs["ref32"].loss.item()) for k in ("ref16", "gpu16")}
+    assert loss_err["gpu16"] <= 2 * loss_err["ref16"] + 1e-3 * outs["ref32"].loss.item()
+    grad_err = {"ref16": [], "gpu16": []}
+    for (name, p32), p16, pg in zip(ref32.named_parameters(), ref16.parameters(), gpu16.parameters()):
+        if p32.grad is None or p32.grad.abs().sum() == 0:
+            assert pg.grad is None or pg.grad.abs().sum() == 0, name
             continue
-        assert cosine(b.grad, a.grad) > 0.99, f"{name}: gradient cosine {cosine(b.grad, a.grad):.4f}"
-        checked += 1
-    assert checked > 100
+        grad_err["ref16"].append(1 - cosine(p16.grad, p32.grad))
+        grad_err["gpu16"].append(1 - cosine(pg.grad, p32.grad))
+    mean = {k: sum(v) / len(v) for k, v in grad_err.items()}
+    print(f"gradient mean 1-cosine vs fp32 over {len(grad_err['gpu16'])} tensors: torch bf16 {mean['ref16']:.2e}, "
+          f"tilelang bf16 {mean['gpu16']:.2e}")
+    assert len(grad_err["gpu16"]) > 100
+    assert mean["gpu16"] <= 2 * mean["ref16"] + 1e-3
+
+
+def test_bf16x3_head_matmul_on_tensor_cores():
+    from deepseek_v41.layers import mm_bf16x3
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(512, 5120, device="cuda", generator=g)
+    b = torch.randn(5120, 4096, device="cuda", generator=g)
+    exact = a.double() @ b.double()
+    err = ((mm_bf16x3(a, b).double() - exact).norm() / exact.norm()).item()
+    plain = ((a.bfloat16() @ b.bfloat16()).double() - exact).norm() / exact.norm()
+    print(f"bf16x3 rel err {err:.2e}, plain bf16 {plain.item():.2e}")
+    assert err < 5e-5 < 1e-3 < plain.item()  # measured 2.6e-5 and 2.9e-3 (K = 5120)

@@ -1,0 +1,126 @@
+"""mHC on tile-kernels' fused CUDA kernels (backend ``mhc: tile_kernels``), forward and backward.
+
+The same functions as ``mhc.py`` (``hc_mix``, ``hc_pre``, ``hc_post``), with the per-token work done by
+tile-kernels instead of chains of eager fp32 ops:
+
+| here         | tile-kernels (``tile_kernels.mhc``)                            | replaces in ``mhc.py``                 |
+|--------------|----------------------------------------------------------------|----------------------------------------|
+| ``hc_mix``   | ``mhc_pre_split_mixes_{fwd,bwd}``, ``mhc_sinkhorn_{fwd,bwd}`` | the split and the 20 Sinkhorn rounds   |
+| ``hc_pre``   | ``mhc_pre_apply_mix_{fwd,bwd}``                                | the fp32 einsum collapse               |
+| ``hc_post``  | ``mhc_post_{fwd,bwd}``                                         | the fp32 einsum mix + ``post · y``     |
+
+The mix GEMM of ``hc_mix`` (streams · ``fn``, fp32, with the RMS factor) stays in PyTorch: tile-kernels
+leaves that GEMM to DeepGEMM.  Coefficients stay fp32; streams and sublayer outputs are bf16, which the
+kernels require (their hidden size must also be a multiple of 128).  tile-kernels' defaults are not V4's:
+the post multiplier 2.0 and the Sinkhorn round count are passed explicitly.
+"""
+
+import torch
+
+from tile_kernels import mhc as tkm
+
+from .mhc import hc_mix_logits
+
+POST_MULT = 2.0  # post = 2 · sigmoid(...)
+
+
+def _check_streams(x: torch.Tensor) -> None:
+    if x.dtype != torch.bfloat16 or not x.is_cuda:
+        raise TypeError(
+            f"mhc backend 'tile_kernels' needs bf16 CUDA streams, got {x.dtype} on {x.device}; "
+            "load the model in bfloat16 on a GPU or use mhc backend 'torch'"
+        )
+    if x.shape[-1] % 128:
+        raise ValueError(
+            f"mhc backend 'tile_kernels' needs a hidden size that is a multiple of 128, got {x.shape[-1]}; "
+            "use mhc backend 'torch'"
+        )
+
+
+class _SplitSinkhorn(torch.autograd.Function):
+    # mixes fp32 [n, (2+hc)·hc] -> pre [n, hc], post [n, hc], comb [n, hc, hc]
+    @staticmethod
+    def forward(ctx, mixes, scale, base, hc, iters, eps):
+        n = mixes.shape[0]
+        pre = mixes.new_empty(n, hc)
+        post = mixes.new_empty(n, hc)
+        logits = mixes.new_empty(n, hc * hc)  # comb before the Sinkhorn rounds
+        tkm.mhc_pre_split_mixes_fwd(mixes, scale, base, pre, post, logits, POST_MULT, eps)
+        comb = mixes.new_empty(n, hc, hc)
+        tkm.mhc_sinkhorn_fwd(logits.view(n, hc, hc), comb, iters, eps)
+        ctx.save_for_backward(mixes, scale, base, post, logits)
+        ctx.hc, ctx.iters, ctx.eps = hc, iters, eps
+        return pre, post, comb
+
+    @staticmethod
+    def backward(ctx, d_pre, d_post, d_comb):
+        mixes, scale, base, post, logits = ctx.saved_tensors
+        n, hc = mixes.shape[0], ctx.hc
+        d_pre = torch.zeros_like(post) if d_pre is None else d_pre.contiguous()
+        d_post = torch.zeros_like(post) if d_post is None else d_post.contiguous()
+        d_comb = mixes.new_zeros(n, hc, hc) if d_comb is None else d_comb.contiguous()
+        d_logits = torch.empty_like(d_comb)
+        tkm.mhc_sinkhorn_bwd(d_comb, logits.view(n, hc, hc), d_logits, ctx.iters, ctx.eps)
+        d_mixes, d_scale, d_base = torch.empty_like(mixes), torch.empty_like(scale), torch.empty_like(base)
+        tkm.mhc_pre_split_mixes_bwd(
+            d_pre, d_post, d_logits.view(n, hc * hc), mixes, post, scale, base, d_mixes, d_scale, d_base, POST_MULT
+        )
+        return d_mixes, d_scale, d_base, None, None, None
+
+
+class _PreApplyMix(torch.autograd.Function):
+    # x bf16 [n, hc, d], pre fp32 [n, hc] -> bf16 [n, d]
+    @staticmethod
+    def forward(ctx, x, pre):
+        out = x.new_empty(x.shape[0], x.shape[2])
+        tkm.mhc_pre_apply_mix_fwd(x, pre, out)
+        ctx.save_for_backward(x, pre)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, pre = ctx.saved_tensors
+        d_x = torch.zeros_like(x)  # the kernel accumulates into it
+        d_pre = tkm.mhc_pre_apply_mix_bwd(d_out.contiguous(), x, pre, d_x)
+        return d_x, d_pre
+
+
+class _Post(torch.autograd.Function):
+    # y bf16 [b, s, d], x bf16 [b, s, hc, d], post fp32 [b, s, hc, 1], comb fp32 [b, s, hc, hc] -> bf16 [b, s, hc, d]
+    @staticmethod
+    def forward(ctx, y, x, post, comb):
+        ctx.save_for_backward(y, x, post, comb)
+        return tkm.mhc_post_fwd(y, x, post, comb)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        y, x, post, comb = ctx.saved_tensors
+        grads = tkm.mhc_post_bwd(y, x, post, comb, d_out.contiguous())
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (y, x, post, comb)))
+
+
+def hc_mix(x, fn, base, scale, hc: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    # x [b, s, hc, d] -> pre [b, s, hc], post [b, s, hc], comb [b, s, hc(src), hc(dst)], all fp32
+    _check_streams(x)
+    mixes = hc_mix_logits(x, fn, norm_eps)  # [b, s, (2+hc)·hc] fp32
+    lead = mixes.shape[:-1]
+    pre, post, comb = _SplitSinkhorn.apply(
+        mixes.reshape(-1, mixes.shape[-1]).contiguous(), scale.float(), base.float(), hc, sinkhorn_iters, hc_eps
+    )
+    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    # x [b, s, hc, d] bf16, pre [b, s, hc] fp32 -> [b, s, d] bf16
+    _check_streams(x)
+    b, s, hc, d = x.shape
+    out = _PreApplyMix.apply(x.reshape(b * s, hc, d).contiguous(), pre.float().reshape(b * s, hc).contiguous())
+    return out.view(b, s, d)
+
+
+def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    # y [b, s, d], x [b, s, hc, d] -> [b, s, hc, d]: out_j = post_j * y + sum_i comb[i, j] * x_i
+    _check_streams(x)
+    return _Post.apply(
+        y.to(x.dtype).contiguous(), x.contiguous(), post.float().unsqueeze(-1).contiguous(), comb.float().contiguous()
+    )

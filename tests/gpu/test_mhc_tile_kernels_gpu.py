@@ -1,0 +1,82 @@
+"""mHC on tile-kernels (backend ``mhc: tile_kernels``) against the eager fp32 functions of ``mhc.py``.
+
+Forward values and every gradient, at V4.1's hidden size 5120, 4 streams, 20 Sinkhorn rounds.  fp32 results
+(the coefficients and their gradients) must agree to fp32 rounding; bf16 results (the collapsed input, the
+mixed streams and their gradients) to bf16 rounding.  Skips without CUDA/tile-kernels.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from deepseek_v41 import mhc
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="mhc backend 'tile_kernels' needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("tile_kernels") is None, reason="needs the package tile_kernels"),
+]
+
+HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def compare(fn_ref, fn_new, inputs, tolerances):
+    """Runs both on copies of ``inputs``; checks outputs and input gradients against ``tolerances``."""
+    torch.manual_seed(1)
+    a, b = leaves(*inputs), leaves(*inputs)
+    out_a, out_b = fn_ref(*a), fn_new(*b)
+    out_a = out_a if isinstance(out_a, tuple) else (out_a,)
+    out_b = out_b if isinstance(out_b, tuple) else (out_b,)
+    weights = [torch.randn_like(o, dtype=torch.float32) for o in out_a]
+    sum(((o.float() * w).sum() for o, w in zip(out_a, weights))).backward()
+    sum(((o.float() * w).sum() for o, w in zip(out_b, weights))).backward()
+    errors = [rel_err(ob, oa) for oa, ob in zip(out_a, out_b)] + [rel_err(tb.grad, ta.grad) for ta, tb in zip(a, b)]
+    kinds = [o.dtype for o in out_a] + [t.dtype for t in a]
+    print(" ".join(f"{e:.1e}" for e in errors))
+    for err, dtype in zip(errors, kinds):
+        assert err < tolerances[dtype]
+    assert all(tb.grad is not None and tb.grad.dtype == tb.dtype for tb in b)
+
+
+def test_tile_kernels_mhc_matches_eager(dim=5120):
+    from deepseek_v41 import mhc_tile_kernels as fused
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 64, HC, dim, device="cuda", generator=g).bfloat16()
+    y = torch.randn(2, 64, dim, device="cuda", generator=g).bfloat16()
+    n_mix = (2 + HC) * HC
+    fn = torch.randn(n_mix, HC * dim, device="cuda", generator=g) * dim**-0.5
+    base = torch.randn(n_mix, device="cuda", generator=g) * 0.1
+    scale = torch.rand(3, device="cuda", generator=g) + 0.5
+    pre = torch.rand(2, 64, HC, device="cuda", generator=g)
+    post = 2 * torch.rand(2, 64, HC, device="cuda", generator=g)
+    comb = torch.softmax(torch.randn(2, 64, HC, HC, device="cuda", generator=g), -1)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+    def mix_ref(x, fn, base, scale):
+        return mhc.hc_mix(x, fn, base, scale, HC, ITERS, HC_EPS, NORM_EPS)
+
+    def mix_new(x, fn, base, scale):
+        return fused.hc_mix(x, fn, base, scale, HC, ITERS, HC_EPS, NORM_EPS)
+
+    compare(mix_ref, mix_new, (x, fn, base, scale), tol)
+    compare(mhc.hc_pre, fused.hc_pre, (x, pre), tol)
+    compare(mhc.hc_post, fused.hc_post, (y, x, post, comb), tol)
+
+
+def test_tile_kernels_mhc_refuses_what_it_cannot_compute():
+    from deepseek_v41 import mhc_tile_kernels as fused
+
+    with pytest.raises(TypeError, match="needs bf16 CUDA streams"):
+        fused.hc_pre(torch.randn(1, 4, HC, 256, device="cuda"), torch.rand(1, 4, HC, device="cuda"))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fused.hc_pre(torch.randn(1, 4, HC, 96, device="cuda").bfloat16(), torch.rand(1, 4, HC, device="cuda"))
