@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .layers import make_linear, make_rms_norm
-from .quantization import fp4_e4m3_scale_qdq, fp4_qdq, fp8_qdq
+from .quantization import quant_ops
 from .rope import apply_rope, rope_cis, rope_frequencies
 from .sparse_attention import indexer_scores_torch, sparse_attention_torch
 
@@ -94,18 +94,19 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.wq_b = make_linear(config.q_lora_rank, self.n_heads * self.head_dim, backend)
         self.weights_proj = make_linear(config.hidden_size, self.n_heads, backend)
+        self.fp4_qdq = quant_ops(backend)[1]  # the MXFP4-like boundary of index queries and keys
         if owns_keys:
             self.wk = make_linear(config.head_dim, self.head_dim, backend)
             self.k_norm = make_rms_norm(self.head_dim, config.rms_norm_eps, backend)
 
     def keys(self, latent: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
         # pre-RoPE latent [b, T, head_dim] -> index keys [b, T, index_head_dim] (RoPE at j·r, MXFP4 boundary)
-        return fp4_qdq(apply_rope(self.k_norm(self.wk(latent)), cis))
+        return self.fp4_qdq(apply_rope(self.k_norm(self.wk(latent)), cis))
 
     def scores(self, x, qr, cis, index_k, ratio, score_fn) -> torch.Tensor:
         # x [b, s, dim], qr [b, s, q_lora] -> fp32 [b, s, T], causally invisible entries at -inf
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = fp4_qdq(apply_rope(q, cis))
+        q = self.fp4_qdq(apply_rope(q, cis))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return score_fn(q, weights, index_k, ratio)
 
@@ -153,6 +154,7 @@ class Attention(nn.Module):
         self.candidate_block_size = config.candidate_block_size
         self.candidate_topk_blocks = config.candidate_topk_blocks
         self.sparse_attention, self.indexer_scores = attention_backend(backend["attn"])
+        self.fp8_qdq, _, self.fp4_e4m3_scale_qdq = quant_ops(backend)  # backend "quant": torch or tile_kernels
 
         dim = config.hidden_size
         self.wq_a = make_linear(dim, config.q_lora_rank, backend)
@@ -183,7 +185,7 @@ class Attention(nn.Module):
         if self.q_head_rescale:  # V4's per-head q RMS; absent from the official V4.1 code (off by default)
             q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
         q = apply_rope(q, cis)
-        window_kv = fp8_qdq(apply_rope(self.kv_norm(self.wkv(x)), cis))  # [b, s, head_dim]
+        window_kv = self.fp8_qdq(apply_rope(self.kv_norm(self.wkv(x)), cis))  # [b, s, head_dim]
         idx = sliding_window_indices(s, self.window, x.device).expand(b, s, -1)
 
         kv = window_kv
@@ -209,7 +211,7 @@ class Attention(nn.Module):
             entry_cis = rope_cis(positions[:T] * r, self.rope_freqs)  # entry j sits at its first token j·r
             with torch.no_grad():  # index keys only feed the hard top-k
                 state.publish(self.layer, "index_k", self.indexer.keys(latent, entry_cis))
-            state.publish(self.layer, "compressed_kv", fp4_e4m3_scale_qdq(apply_rope(latent, entry_cis)))
+            state.publish(self.layer, "compressed_kv", self.fp4_e4m3_scale_qdq(apply_rope(latent, entry_cis)))
         if self.mode in ("full", "reindex"):
             index_k = state.read(self.kv_source, "index_k")
             with torch.no_grad():  # hard top-k: the indexer gets no LM gradient

@@ -18,6 +18,8 @@ DEFAULT_BACKEND = {
     "dispatcher": "local",
     "head": "fp32",
     "mhc": "torch",
+    "engram": "torch",
+    "quant": "torch",
 }
 
 # kind -> name -> (python packages needed, needs CUDA)
@@ -33,6 +35,9 @@ _REGISTRY = {
     "head": {"fp32": ((), False), "bf16x3": ((), False)},
     # mHC mixing: eager fp32 ops, or tile-kernels' fused kernels (bf16 streams; mhc_tile_kernels.py)
     "mhc": {"torch": ((), False), "tile_kernels": (("tile_kernels",), True)},
+    # the Engram gate and the KV/index quantize->dequantize boundaries, eager or as tile-kernels' fused kernels
+    "engram": {"torch": ((), False), "tile_kernels": (("tile_kernels",), True)},
+    "quant": {"torch": ((), False), "tile_kernels": (("tile_kernels",), True)},
 }
 
 _INSTALL_HINT = {

@@ -20,6 +20,8 @@ from .engram_hashing import (
 )
 from .layers import make_linear
 
+GATE_CLAMP = 1e-6  # |score| is clamped to at least this before its square root
+
 
 class Engram(nn.Module):
     def __init__(self, config, layer: int, rows: int, constants: dict, backend: dict):
@@ -35,6 +37,7 @@ class Engram(nn.Module):
         # Only the product q_weight * k_weight is used; both are kept to match the released tensors.
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim))
         self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim))
+        self.gate = engram_gate_tile_kernels if backend["engram"] == "tile_kernels" else engram_gate
         # Row-owner training replaces the local F.embedding lookup: hash ids [b, s, cols] -> rows [b, s, cols, d].
         self.table_lookup = None
         self._derived = {name: value.cpu() for name, value in constants.items()}
@@ -57,17 +60,38 @@ class Engram(nn.Module):
         # x [b, s, hc, dim] streams, hash_ids [b, s, cols] -> [b, s, hc, dim]
         rows = self.embed(hash_ids) if self.table_lookup is None else self.table_lookup(hash_ids)
         kv = self.wkv(rows.flatten(2).to(self.wkv.weight.dtype))  # [b, s, (hc + 1) * dim]
-        key = kv[..., : self.hc * self.dim].unflatten(-1, (self.hc, self.dim)).float()
-        value = kv[..., self.hc * self.dim :].float()
-        h = x.float()
-        w = self.q_weight.float() * self.k_weight.float()  # [hc, dim]
-        dot = (h * w * key).sum(-1)
-        dot = dot * torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = dot * self.dim**-0.5  # [b, s, hc]
-        gate = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())
-        if image_mask is not None:
-            gate = gate.masked_fill(image_mask.unsqueeze(-1), 0.0)
-        return (h + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)
+        return self.gate(x, kv, self.q_weight, self.k_weight, self.eps, image_mask)
+
+
+def engram_gate(x, kv, q_weight, k_weight, eps: float, image_mask):
+    """x [b, s, hc, dim] streams, kv [b, s, (hc + 1) * dim] (hc keys, then one value) -> [b, s, hc, dim]:
+    x + sigmoid(signed_sqrt(<rms(x)·q_weight, rms(key)·k_weight> / sqrt(dim))) · value, in fp32, one rounding;
+    the gate is closed (0) on image positions."""
+    hc, dim = x.shape[-2:]
+    key = kv[..., : hc * dim].unflatten(-1, (hc, dim)).float()
+    value = kv[..., hc * dim :].float()
+    h = x.float()
+    w = q_weight.float() * k_weight.float()  # [hc, dim]
+    dot = (h * w * key).sum(-1)
+    dot = dot * torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = dot * dim**-0.5  # [b, s, hc]
+    gate = torch.sigmoid(dot.sign() * dot.abs().clamp(min=GATE_CLAMP).sqrt())
+    if image_mask is not None:
+        gate = gate.masked_fill(image_mask.unsqueeze(-1), 0.0)
+    return (h + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)
+
+
+def engram_gate_tile_kernels(x, kv, q_weight, k_weight, eps: float, image_mask):
+    """``engram_gate`` as tile-kernels' fused gate (backend ``engram: tile_kernels``; bf16 CUDA tensors)."""
+    from tile_kernels.modeling.engram import engram_gate as fused_gate
+
+    if x.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or not x.is_cuda:
+        raise TypeError(
+            f"engram backend 'tile_kernels' needs bf16 CUDA streams and kv, got {x.dtype}/{kv.dtype} on {x.device}; "
+            "use engram backend 'torch'"
+        )
+    mask = None if image_mask is None else image_mask.contiguous()
+    return fused_gate(x.contiguous(), kv.contiguous(), q_weight, k_weight, GATE_CLAMP, eps, mask)
 
 
 def resolve_engram_tokenizer(config, tokenizer=None):

@@ -168,8 +168,9 @@ def test_gpu_backend_on_cpu_names_the_missing_hardware(v4_tokenizer):
         tiny_model(v4_tokenizer, backend={"attn": "tilelang"})
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         tiny_model(v4_tokenizer, backend={"rms_norm": "te"})
-    with pytest.raises(RuntimeError, match="mhc backend 'tile_kernels' needs a CUDA GPU"):
-        tiny_model(v4_tokenizer, backend={"mhc": "tile_kernels"})
+    for kind in ("mhc", "engram", "quant"):
+        with pytest.raises(RuntimeError, match=f"{kind} backend 'tile_kernels' needs a CUDA GPU"):
+            tiny_model(v4_tokenizer, backend={kind: "tile_kernels"})
 
 
 def test_rms_norm_backends_agree_in_fp32(v4_tokenizer):

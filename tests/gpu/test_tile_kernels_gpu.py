@@ -1,8 +1,9 @@
-"""mHC on tile-kernels (backend ``mhc: tile_kernels``) against the eager fp32 functions of ``mhc.py``.
+"""The tile-kernels backends (``mhc``, ``engram``, ``quant``: ``tile_kernels``) against the eager functions.
 
-Forward values and every gradient, at V4.1's hidden size 5120, 4 streams, 20 Sinkhorn rounds.  fp32 results
-(the coefficients and their gradients) must agree to fp32 rounding; bf16 results (the collapsed input, the
-mixed streams and their gradients) to bf16 rounding.  Skips without CUDA/tile-kernels.
+mHC and the Engram gate: forward values and every gradient at V4.1's hidden size 5120, 4 streams, 20 Sinkhorn
+rounds; fp32 results (coefficients and their gradients) must agree to fp32 rounding, bf16 results to bf16
+rounding.  Quantize->dequantize boundaries: bit for bit (the UE8M0 ones; see quantization.quant_ops).  Skips
+without CUDA/tile-kernels.
 """
 
 import importlib.util
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from deepseek_v41 import mhc
+from deepseek_v41.engram import engram_gate, engram_gate_tile_kernels
+from deepseek_v41.quantization import quant_ops
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,3 +83,40 @@ def test_tile_kernels_mhc_refuses_what_it_cannot_compute():
         fused.hc_pre(torch.randn(1, 4, HC, 256, device="cuda"), torch.rand(1, 4, HC, device="cuda"))
     with pytest.raises(ValueError, match="multiple of 128"):
         fused.hc_pre(torch.randn(1, 4, HC, 96, device="cuda").bfloat16(), torch.rand(1, 4, HC, device="cuda"))
+
+
+def test_tile_kernels_engram_gate_matches_eager(dim=5120):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 64, HC, dim, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(2, 64, (HC + 1) * dim, device="cuda", generator=g).bfloat16()
+    q_weight = (1 + 0.1 * torch.randn(HC, dim, device="cuda", generator=g)).bfloat16()
+    k_weight = (1 + 0.1 * torch.randn(HC, dim, device="cuda", generator=g)).bfloat16()
+    image_mask = torch.zeros(2, 64, dtype=torch.bool, device="cuda")
+    image_mask[1, 10:20] = True  # the gate is closed there
+    tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+    for mask in (None, image_mask):
+        compare(
+            lambda *t: engram_gate(*t, NORM_EPS, mask), lambda *t: engram_gate_tile_kernels(*t, NORM_EPS, mask),
+            (x, kv, q_weight, k_weight), tol,
+        )
+
+
+def test_tile_kernels_quant_boundaries_are_bit_exact():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 512, device="cuda", generator=g)
+    x = x * torch.exp2(torch.randint(-20, 12, (4096, 1), device="cuda", generator=g).float())  # rows of every scale
+    x[0, :64] = 0  # all-zero blocks
+    x[1, :32] = 1e-30  # tiny blocks: the scale floors
+    x = x.bfloat16()
+    ref_ops, new_ops = quant_ops({"quant": "torch"}), quant_ops({"quant": "tile_kernels"})
+    # the E4M3-scale boundary stays on the reference (tile-kernels differs there in 435 of 2,097,152 values)
+    assert new_ops[2] is ref_ops[2]
+    for name, ref, new in zip(("fp8 e4m3 / 32 / ue8m0", "fp4 e2m1 / 32 / ue8m0"), ref_ops, new_ops):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_a, out_b = ref(a), new(b)
+        differ = (out_a != out_b).sum().item()
+        print(f"{name}: {differ} of {x.numel()} values differ")
+        assert differ == 0, name
+        out_b.backward(torch.ones_like(out_b))
+        assert torch.equal(b.grad, torch.ones_like(b))  # straight through
+        assert torch.equal(b, x)  # the input is left alone (the kernel works in place on a copy)
