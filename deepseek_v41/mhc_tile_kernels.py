@@ -16,7 +16,6 @@ the post multiplier 2.0 and the Sinkhorn round count are passed explicitly.
 """
 
 import torch
-
 from tile_kernels import mhc as tkm
 
 from .mhc import hc_mix_logits

@@ -28,7 +28,6 @@ from .layers import RMSNorm, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
 from .moe import MoE, RoutedExperts, Router
 
-
 # What an exported folder's config.json maps the Auto classes to (the flat remote-code files).
 AUTO_MAP = {
     "AutoConfig": "configuration_deepseek_v41.DeepseekV41Config",

@@ -2,6 +2,7 @@
 
     python examples/benchmarks/attention.py                      # V4.1 shape: b=1 s=4096 h=64 d=512 k=640
     python examples/benchmarks/attention.py --ratio 2 --out examples/benchmarks/results/attention_h200.txt
+    python examples/benchmarks/attention.py --kernels    # also the raw kernels (no padding/casts) and the indexer
 
 FLOP convention: forward 4·b·s·h·k·d (QKᵀ and P·V), backward 2.5x the forward (QKᵀ recompute, dO·Vᵀ,
 dS·K, dSᵀ·Q, Pᵀ·dO), with k the index slots including empty (-1) ones.  Times are CUDA-event
@@ -57,6 +58,39 @@ def measure(attn, b, s, h, d, topk, ratio, warmup, reps):
     return fwd, bwd
 
 
+def kernel_times(b, s, h, d, topk, ratio, warmup, reps) -> str:
+    """The TileLang kernels alone (no autograd, padding or casts): forward, the two backward kernels, the indexer."""
+    n, k, scale = s + s // ratio, WINDOW + topk, d**-0.5
+    torch.manual_seed(0)
+    q = torch.randn(b, s, h, d, device="cuda").bfloat16()
+    kv = torch.randn(b, n, d, device="cuda").bfloat16()
+    idx = csa2_indices(b, s, ratio, topk, "cuda")
+    do = torch.randn_like(q)
+    sink2 = torch.randn(h, device="cuda") * kt.LOG2E
+    o, lse2 = torch.empty_like(q), torch.empty(b, s, h, device="cuda")
+    fwd, (bwd_kv, bwd_q) = kt._attn_kernels(b, s, n, h, d, k, scale, ("cuda", torch.cuda.current_device()))
+    flop = 4 * b * s * h * k * d
+    lines = [f"# kernel-only, b={b} s={s} h={h} d={d} k={k} n={n}: forward FLOP 4bshkd = {flop / 1e9:.1f} G"]
+    ms = time_ms(lambda: fwd(q, kv, idx, sink2, o, lse2), warmup, reps)
+    lines.append(f"attn_fwd     {ms:.3f} ms {flop / ms / 1e9:6.1f} TFLOP/s; gathers {b * s * k * d * 2 / ms / 1e9:.2f} TB/s of kv rows")
+    delta, dkv, dq = torch.empty(b, s, h, device="cuda"), torch.zeros(b, n, d, device="cuda"), torch.empty_like(q)
+    ds = torch.empty(b, s, h, k, device="cuda", dtype=torch.bfloat16)
+    ms_kv = time_ms(lambda: bwd_kv(q, kv, o, do, idx, lse2, delta, ds, dkv), warmup, reps)
+    lines.append(f"attn_bwd_kv  {ms_kv:.3f} ms {2 * flop / ms_kv / 1e9:6.1f} TFLOP/s (8bshkd); "
+                 f"{b * s * k * d * 4 / ms_kv / 1e9:.2f} TB/s of fp32 atomics")
+    ms_q = time_ms(lambda: bwd_q(kv, idx, ds, dq), warmup, reps)
+    lines.append(f"attn_bwd_q   {ms_q:.3f} ms {flop / 2 / ms_q / 1e9:6.1f} TFLOP/s (2bshkd)")
+    lines.append(f"bwd kernels  {ms_kv + ms_q:.3f} ms {2.5 * flop / (ms_kv + ms_q) / 1e9:6.1f} TFLOP/s (10bshkd)")
+    n_idx, heads_i, dim_i = s // ratio, 32, 128  # V4.1's indexer: 32 heads x 128
+    qi = torch.randn(b, s, heads_i, dim_i, device="cuda").bfloat16()
+    w, ki = torch.randn(b, s, heads_i, device="cuda"), torch.randn(b, n_idx, dim_i, device="cuda").bfloat16()
+    ms = time_ms(lambda: kt.indexer_scores_tilelang(qi, w, ki, ratio), warmup, reps)
+    flop_i = 2 * b * s * n_idx * heads_i * dim_i
+    lines.append(f"indexer s={s} T={n_idx} ratio={ratio}: {ms:.3f} ms, {flop_i / ms / 1e9:.1f} TFLOP/s counting the full "
+                 "2·s·T·H·D (the causally hidden half of the tiles is skipped)")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--b", type=int, default=1)
@@ -69,6 +103,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--peak", type=float, default=790.0, help="bf16 dense TFLOP/s ceiling for MFU")
     ap.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
+    ap.add_argument("--kernels", action="store_true", help="also time the raw kernels and the indexer")
     ap.add_argument("--out", type=Path, help="also append the table to this file")
     args = ap.parse_args()
 
@@ -116,6 +151,8 @@ def main():
             f"{name:24s} {rs:5d} {fwd:8.3f} {tf:12.1f} {100 * tf / args.peak:7.1f}% "
             f"{bwd:8.3f} {tb:12.1f} {100 * tb / args.peak:7.1f}%"
         )
+    if args.kernels:
+        lines.append(kernel_times(b, s, h, d, args.topk, args.ratio, 3, args.reps))
     report("\n".join(lines), args.out)
 
 

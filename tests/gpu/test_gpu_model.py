@@ -87,4 +87,4 @@ def test_bf16x3_head_matmul_on_tensor_cores():
     err = ((mm_bf16x3(a, b).double() - exact).norm() / exact.norm()).item()
     plain = ((a.bfloat16() @ b.bfloat16()).double() - exact).norm() / exact.norm()
     print(f"bf16x3 rel err {err:.2e}, plain bf16 {plain.item():.2e}")
-    assert err < 5e-5 < 1e-3 < plain.item()  # measured 2.6e-5 and 2.9e-3 (K = 5120)
+    assert err < 5e-5 and plain.item() > 1e-3  # measured 2.6e-5 and 2.9e-3 (K = 5120)

@@ -96,7 +96,8 @@ def test_tile_kernels_engram_gate_matches_eager(dim=5120):
     tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
     for mask in (None, image_mask):
         compare(
-            lambda *t: engram_gate(*t, NORM_EPS, mask), lambda *t: engram_gate_tile_kernels(*t, NORM_EPS, mask),
+            lambda *t, m=mask: engram_gate(*t, NORM_EPS, m),
+            lambda *t, m=mask: engram_gate_tile_kernels(*t, NORM_EPS, m),
             (x, kv, q_weight, k_weight), tol,
         )
 
