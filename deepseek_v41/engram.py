@@ -83,7 +83,10 @@ def engram_gate(x, kv, q_weight, k_weight, eps: float, image_mask):
 
 def engram_gate_tile_kernels(x, kv, q_weight, k_weight, eps: float, image_mask):
     """``engram_gate`` as tile-kernels' fused gate (backend ``engram: tile_kernels``; bf16 CUDA tensors)."""
-    from tile_kernels.modeling.engram import engram_gate as fused_gate
+    try:  # in try: an optional GPU dependency that remote-code loading must not require
+        from tile_kernels.modeling.engram import engram_gate as fused_gate
+    except ImportError as error:
+        raise RuntimeError("engram backend 'tile_kernels' needs the package tile_kernels") from error
 
     if x.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or not x.is_cuda:
         raise TypeError(

@@ -52,7 +52,10 @@ def mhc_ops(backend: dict) -> tuple:
     """``(hc_mix, hc_pre, hc_post)`` for ``backend["mhc"]``: these eager fp32 functions (``torch``) or
     tile-kernels' fused CUDA kernels (``tile_kernels``, ``mhc_tile_kernels.py``)."""
     if backend["mhc"] == "tile_kernels":
-        from . import mhc_tile_kernels as fused
+        # "from .module import" (not "from . import module"): the form save_pretrained's file scan follows
+        from .mhc_tile_kernels import hc_mix as fused_mix
+        from .mhc_tile_kernels import hc_post as fused_post
+        from .mhc_tile_kernels import hc_pre as fused_pre
 
-        return fused.hc_mix, fused.hc_pre, fused.hc_post
+        return fused_mix, fused_pre, fused_post
     return hc_mix, hc_pre, hc_post

@@ -16,7 +16,11 @@ the post multiplier 2.0 and the Sinkhorn round count are passed explicitly.
 """
 
 import torch
-from tile_kernels import mhc as tkm
+
+try:  # optional GPU dependency (backends.check_available names it); in try so remote-code loading never needs it
+    from tile_kernels import mhc as tkm
+except ImportError:
+    tkm = None
 
 from .mhc import hc_mix_logits
 

@@ -92,7 +92,10 @@ def fp4_e4m3_scale_qdq(x: torch.Tensor) -> torch.Tensor:
 
 
 def _tile_kernels_qdq(fmt: str, block: int, round_sf: bool, use_e4m3_sf: bool):
-    from tile_kernels.quant import per_token_cast_and_cast_back
+    try:  # in try: an optional GPU dependency that remote-code loading must not require
+        from tile_kernels.quant import per_token_cast_and_cast_back
+    except ImportError as error:
+        raise RuntimeError("quant backend 'tile_kernels' needs the package tile_kernels") from error
 
     def qdq(x: torch.Tensor) -> torch.Tensor:
         # x [..., n] bf16 -> the same values rounded through the format, one fused kernel (on a copy: in place)

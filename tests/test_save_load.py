@@ -78,6 +78,20 @@ def test_remote_code_load_without_the_package(exported, tmp_path):
         assert torch.equal(torch.load(out), model(IDS).logits)
 
 
+def test_remote_code_files_need_no_gpu_package():
+    """Every backend's module travels with save_pretrained, and none makes transformers' remote-code import
+    check demand an optional GPU package (those imports sit in try blocks, which the check skips)."""
+    from transformers.dynamic_module_utils import get_imports
+
+    from deepseek_v41.modeling_deepseek_v41 import remote_code_files
+
+    names = {f.name for f in remote_code_files()}
+    assert {"kernels_tilelang.py", "mhc_tile_kernels.py", "mhc.py", "quantization.py", "engram.py"} <= names
+    optional = {"tilelang", "tile_kernels", "transformer_engine", "deep_ep"}
+    for file in remote_code_files():
+        assert not optional & set(get_imports(str(file))), file.name
+
+
 def test_backend_override_at_load(exported):
     _, folder = exported
     model = DeepseekV41ForCausalLM.from_pretrained(folder, backend={"rms_norm": "torch", "experts": "torch"})
