@@ -6,8 +6,10 @@ tested against it on the GPU (``tests/gpu/test_tilelang_attention.py``).
 
 Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query token, 64 heads):
 
-* forward (compiled with TileLang's fast math: hardware ``ex2.approx``, ~4 % faster here): gathers the selected latent rows ``kv[idx]`` block by block (64 slots), online softmax
-  in fp32 with the exponent in base 2, probabilities rounded to bf16 before P·V, and the sink
+* forward (compiled with TileLang's fast math: hardware ``ex2.approx``, ~2-4 % faster here):
+  gathers the selected latent rows ``kv[idx]`` block by block (64 slots) with cp.async into two
+  shared buffers, so the next block's gather overlaps this block's math; online softmax in fp32
+  with the exponent in base 2, probabilities rounded to bf16 before P·V, and the sink
   ``exp(sink_h)`` added to the denominator at the end.  It saves the base-2 log-sum-exp
   ``lse2 = log2(sum_t exp(logit_t) + exp(sink_h))``, which the backward reuses.
 * backward, two kernels: the first computes ``Δ = rowsum(dO·O)``, recomputes
@@ -91,13 +93,66 @@ def _cached(key: tuple, build):
 _PASS_CONFIGS = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
 
 
-def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, stages=2):
+def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256):
     # Q [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Sink2 [H] fp32 (sink·log2e)
     # -> O [b, s, H, d] bf16, Lse2 [b, s, H] fp32 (base-2 log-sum-exp with the sink)
+    # Hand-written double buffering: the index row is staged in shared memory once, and while the
+    # two warpgroups work on one block of 64 rows, cp.async gathers the next block into the other of
+    # two separate buffers (empty slots are zero-filled, not read).  Against TileLang's automatic
+    # pipeline over a global index read this is 4 % faster at s = 4096 and 35 % at s <= 1024.
     HB, BI = HEADS_PER_BLOCK, SLOTS_PER_BLOCK
     n_hblk, n_steps = heads // HB, slots // BI
+    n_pairs = n_steps // 2  # blocks go in pairs, buffer 0 then 1; an odd last block uses buffer 0
+    vec = 8  # bf16 per 16-byte cp.async
+    per_row = dim // vec  # 16-byte chunks per row
+    chunks = BI * per_row  # per block; thread t copies chunks t, t + threads, ...
+    n_rows = -(-chunks // threads)
     c = scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
+
+    @T.macro
+    def gather(KV, idx_s, rows, kv_buf, bz, blk, t):
+        # read this thread's row numbers first: interleaved with the copies, each shared read of the
+        # index would get two barriers from TileLang's sync planner (it cannot tell idx_s from kv_buf)
+        if blk < n_steps:
+            for u in T.unroll(n_rows):
+                if chunks % threads == 0 or u * threads + t < chunks:
+                    rows[u] = idx_s[blk * BI + (u * threads + t) // per_row]
+            for u in T.unroll(n_rows):
+                if chunks % threads == 0 or u * threads + t < chunks:
+                    T.ptx_cp_async(
+                        T.access_ptr(
+                            kv_buf[(u * threads + t) // per_row, (u * threads + t) % per_row * vec], "w", vec
+                        ),
+                        T.access_ptr(KV[bz, T.max(rows[u], 0), (u * threads + t) % per_row * vec], "r", vec),
+                        vec,
+                        rows[u] >= 0,
+                    )
+        T.ptx_commit_group()
+
+    @T.macro
+    def step(q_s, kv_buf, p_s, idx_s, blk, acc_s, acc_o, m, m_prev, l, l_blk, alpha, pending=1):
+        T.ptx_wait_group(pending)  # this block's rows have landed (the next block's may be in flight)
+        T.sync_threads()
+        for h, r in T.Parallel(HB, BI):
+            acc_s[h, r] = T.if_then_else(idx_s[blk * BI + r] >= 0, 0, -T.infinity(f32))
+        T.gemm(q_s, kv_buf, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.copy(m, m_prev)
+        T.reduce_max(acc_s, m, dim=1, clear=False)
+        for h in T.Parallel(HB):
+            m[h] = T.max(m[h], m_prev[h])
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
+        for h, r in T.Parallel(HB, BI):
+            acc_s[h, r] = T.exp2(acc_s[h, r] * c - m[h] * c)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(HB):
+            l[h] = l[h] * alpha[h] + l_blk[h]
+        for h, d in T.Parallel(HB, dim):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        T.copy(acc_s, p_s)
+        T.gemm(p_s, kv_buf, acc_o, policy=T.GemmWarpPolicy.FullRow)
+        T.sync_threads()  # every warp is done with this buffer before it is refilled
 
     @T.prim_func
     def attn_fwd(
@@ -112,9 +167,11 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, sta
             s_i = bx // n_hblk
             h0 = (bx % n_hblk) * HB
             q_s = T.alloc_shared([HB, dim], bf16)
-            kv_s = T.alloc_shared([BI, dim], bf16)
+            kv0 = T.alloc_shared([BI, dim], bf16)
+            kv1 = T.alloc_shared([BI, dim], bf16)
             p_s = T.alloc_shared([HB, BI], bf16)
-            valid = T.alloc_fragment([BI], "bool")
+            idx_s = T.alloc_shared([slots], "int32")
+            rows = T.alloc_local([n_rows], "int32")
             acc_o = T.alloc_fragment([HB, dim], f32)
             acc_s = T.alloc_fragment([HB, BI], f32)
             m = T.alloc_fragment([HB], f32)  # running row max of the raw logits q·k
@@ -124,37 +181,22 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, sta
             alpha = T.alloc_fragment([HB], f32)
             lse = T.alloc_fragment([HB], f32)
 
+            tx = T.get_thread_binding()
             T.copy(Q[bz, s_i, h0 : h0 + HB, :], q_s)
+            T.copy(Idx[bz, s_i, :], idx_s)
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, -1.0e30)  # finite: a block of only empty slots must not give inf − inf
+            T.sync_threads()
+            gather(KV, idx_s, rows, kv0, bz, 0, tx)
+            for j in T.serial(n_pairs):
+                gather(KV, idx_s, rows, kv1, bz, j * 2 + 1, tx)
+                step(q_s, kv0, p_s, idx_s, j * 2, acc_s, acc_o, m, m_prev, l, l_blk, alpha)
+                gather(KV, idx_s, rows, kv0, bz, j * 2 + 2, tx)
+                step(q_s, kv1, p_s, idx_s, j * 2 + 1, acc_s, acc_o, m, m_prev, l, l_blk, alpha)
+            if n_steps % 2 == 1:
+                step(q_s, kv0, p_s, idx_s, n_steps - 1, acc_s, acc_o, m, m_prev, l, l_blk, alpha, pending=0)
 
-            for it in T.Pipelined(n_steps, num_stages=stages):
-                # gather the selected rows; empty slots (-1) read row 0 and are masked below
-                for r, d in T.Parallel(BI, dim):
-                    kv_s[r, d] = KV[bz, T.max(Idx[bz, s_i, it * BI + r], 0), d]
-                for r in T.Parallel(BI):
-                    valid[r] = Idx[bz, s_i, it * BI + r] >= 0
-                for h, r in T.Parallel(HB, BI):
-                    acc_s[h, r] = T.if_then_else(valid[r], 0, -T.infinity(f32))
-                T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(m, m_prev)
-                T.reduce_max(acc_s, m, dim=1, clear=False)
-                for h in T.Parallel(HB):
-                    m[h] = T.max(m[h], m_prev[h])
-                for h in T.Parallel(HB):
-                    alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
-                for h, r in T.Parallel(HB, BI):
-                    acc_s[h, r] = T.exp2(acc_s[h, r] * c - m[h] * c)
-                T.reduce_sum(acc_s, l_blk, dim=1)
-                for h in T.Parallel(HB):
-                    l[h] = l[h] * alpha[h] + l_blk[h]
-                for h, d in T.Parallel(HB, dim):
-                    acc_o[h, d] = acc_o[h, d] * alpha[h]
-                T.copy(acc_s, p_s)
-                T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
-            # the sink joins the denominator only: rescale to the common max with it
             for h in T.Parallel(HB):
                 lse[h] = T.max(m[h] * c, Sink2[h0 + h])
                 alpha[h] = T.exp2(m[h] * c - lse[h])
@@ -220,7 +262,9 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
             T.fill(delta_acc, 0)
             for cc in T.serial(dim // DC):
                 for h, d in T.Parallel(HB, DC):
-                    part[h, d] = T.Cast(f32, do_s[h, cc * DC + d]) * T.Cast(f32, O[bz, s_i, h0 + h, cc * DC + d])
+                    part[h, d] = T.Cast(f32, do_s[h, cc * DC + d]) * T.Cast(
+                        f32, O[bz, s_i, h0 + h, cc * DC + d]
+                    )
                 T.reduce_sum(part, part_sum, dim=1)
                 for h in T.Parallel(HB):
                     delta_acc[h] = delta_acc[h] + part_sum[h]
@@ -232,7 +276,9 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
                 for r, d in T.Parallel(BI, dim):
                     kv_s[r, d] = KV[bz, T.max(idx_s[it * BI + r], 0), d]
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(
+                    do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol
+                )
                 # P = softmax probability (sink included in lse2); empty slots get P = 0
                 for h, r in T.Parallel(HB, BI):
                     acc_s[h, r] = T.if_then_else(idx_s[it * BI + r] >= 0, T.exp2(acc_s[h, r] * c - lse[h]), 0)
@@ -241,7 +287,9 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
                 T.copy(acc_s, p_s)
                 T.copy(acc_dp, ds_s)
                 T.copy(ds_s, dS[bz, s_i, h0 : h0 + HB, it * BI : it * BI + BI])
-                T.gemm(ds_s, q_s, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(
+                    ds_s, q_s, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol
+                )
                 T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
                 for r, d in T.Parallel(BI, dim):
                     if idx_s[it * BI + r] >= 0:
@@ -296,7 +344,11 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
         K: T.Tensor([batch, n_idx, dim], bf16),
         Score: T.Tensor([batch, seq, n_idx], f32),
     ):
-        with T.Kernel(T.ceildiv(n_idx, BT * tiles), T.ceildiv(seq, BQ), batch, threads=threads) as (bt, bq, bz):
+        with T.Kernel(T.ceildiv(n_idx, BT * tiles), T.ceildiv(seq, BQ), batch, threads=threads) as (
+            bt,
+            bq,
+            bz,
+        ):
             q_s = T.alloc_shared([M, dim], bf16)
             k_s = T.alloc_shared([BT, dim], bf16)
             w_s = T.alloc_shared([M], f32)
@@ -306,7 +358,9 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
             i0 = bq * BQ
             visible = (i0 + BQ) // ratio  # the block's last query sees entries t < visible
             for m_, d in T.Parallel(M, dim):
-                q_s[m_, d] = T.if_then_else(i0 + m_ // heads < seq, Qi[bz, i0 + m_ // heads, m_ % heads, d], 0)
+                q_s[m_, d] = T.if_then_else(
+                    i0 + m_ // heads < seq, Qi[bz, i0 + m_ // heads, m_ % heads, d], 0
+                )
             for m_ in T.Parallel(M):
                 w_s[m_] = T.if_then_else(i0 + m_ // heads < seq, W[bz, i0 + m_ // heads, m_ % heads], 0)
             for tt in T.serial(tiles):
@@ -337,6 +391,7 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
 # ----------------------------------------------------------------------------------------------
 # Compilation cache and launchers
 # ----------------------------------------------------------------------------------------------
+
 
 def _compile(program, fast_math: bool = False):
     # name the architecture: Hopper needs the "a" variant (sm_90a) for wgmma
@@ -388,7 +443,9 @@ def _check_attn_inputs(q, kv, sink, idx):
             "cast them or use attn backend 'torch'"
         )
     if d % 64 != 0 or d > 512:
-        raise ValueError(f"sparse_attention_tilelang needs a head dim that is a multiple of 64 and <= 512, got {d}")
+        raise ValueError(
+            f"sparse_attention_tilelang needs a head dim that is a multiple of 64 and <= 512, got {d}"
+        )
     if not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
         raise ValueError("sparse_attention_tilelang needs q, kv, sink and idx on the same CUDA device")
 
@@ -452,24 +509,35 @@ def sparse_attention_tilelang(
     return _SparseAttention.apply(q, kv, sink, idx, float(scale))
 
 
-def indexer_scores_tilelang(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int) -> torch.Tensor:
+def indexer_scores_tilelang(
+    q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int
+) -> torch.Tensor:
     """TileLang version of ``indexer_scores_torch`` (forward only: the indexer is frozen).
 
     q [b, s, H, D] bf16, weights [b, s, H], index_k [b, T, D] bf16 -> scores [b, s, T] fp32 with
     ``-inf`` where ``t >= (i + 1) // ratio``.
     """
     _require_tilelang()
-    if q.dim() != 4 or weights.shape != q.shape[:3] or index_k.dim() != 3 or index_k.shape[::2] != q.shape[::3]:
+    if (
+        q.dim() != 4
+        or weights.shape != q.shape[:3]
+        or index_k.dim() != 3
+        or index_k.shape[::2] != q.shape[::3]
+    ):
         raise ValueError(
             "indexer_scores_tilelang expects q [b, s, H, D], weights [b, s, H], index_k [b, T, D]; got "
             f"{tuple(q.shape)}, {tuple(weights.shape)}, {tuple(index_k.shape)}"
         )
     if q.dtype != torch.bfloat16 or index_k.dtype != torch.bfloat16:
-        raise TypeError(f"indexer_scores_tilelang needs bfloat16 q and index_k (got {q.dtype}, {index_k.dtype})")
+        raise TypeError(
+            f"indexer_scores_tilelang needs bfloat16 q and index_k (got {q.dtype}, {index_k.dtype})"
+        )
     b, s, H, D = q.shape
     n_idx = index_k.shape[1]
     if 128 % H != 0 or D % 16 != 0:
-        raise ValueError(f"indexer_scores_tilelang needs 128 % heads == 0 and dim % 16 == 0, got H={H}, D={D}")
+        raise ValueError(
+            f"indexer_scores_tilelang needs 128 % heads == 0 and dim % 16 == 0, got H={H}, D={D}"
+        )
     kernel = _indexer_kernel(b, s, n_idx, H, D, int(ratio), _device_key(q))
     out = torch.empty((b, s, n_idx), dtype=torch.float32, device=q.device)
     kernel(q.contiguous(), weights.float().contiguous(), index_k.contiguous(), out)
@@ -502,7 +570,9 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
                     "tilelang_shapes_for(config, batch, seq) builds them from a text config"
                 )
             if spec.get("kind", "attention") == "indexer":
-                _indexer_kernel(spec["b"], spec["s"], spec["T"], spec["H"], spec["D"], int(spec["ratio"]), dev)
+                _indexer_kernel(
+                    spec["b"], spec["s"], spec["T"], spec["H"], spec["D"], int(spec["ratio"]), dev
+                )
                 count += 1
                 continue
             hp = -(-spec["h"] // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
@@ -521,6 +591,15 @@ def tilelang_shapes_for(config, batch: int, seq: int) -> list:
         k = config.sliding_window + min(config.index_topk, n_comp)
         specs.append({"b": batch, "s": seq, "n": seq + n_comp, "h": h, "d": d, "k": k, "scale": d**-0.5})
         if ratio and n_comp:
-            specs.append({"kind": "indexer", "b": batch, "s": seq, "T": n_comp, "H": config.index_n_heads,
-                          "D": config.index_head_dim, "ratio": ratio})
+            specs.append(
+                {
+                    "kind": "indexer",
+                    "b": batch,
+                    "s": seq,
+                    "T": n_comp,
+                    "H": config.index_n_heads,
+                    "D": config.index_head_dim,
+                    "ratio": ratio,
+                }
+            )
     return specs

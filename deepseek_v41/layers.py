@@ -39,10 +39,14 @@ def make_rms_norm(dim: int, eps: float, backend: dict, dtype=None) -> nn.Module:
     return RMSNorm(dim, eps, backend["rms_norm"], dtype)
 
 
-def make_linear(in_features: int, out_features: int, backend: dict, bias: bool = False, dtype=None) -> nn.Module:
+def make_linear(
+    in_features: int, out_features: int, backend: dict, bias: bool = False, dtype=None
+) -> nn.Module:
     """``torch``: nn.Linear.  ``te``: Transformer Engine's Linear, whose parameter is also ``weight``."""
     if backend["linear"] == "te":
-        return te.Linear(in_features, out_features, bias=bias, params_dtype=dtype or torch.get_default_dtype())
+        return te.Linear(
+            in_features, out_features, bias=bias, params_dtype=dtype or torch.get_default_dtype()
+        )
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 
@@ -50,7 +54,10 @@ def make_linear(in_features: int, out_features: int, backend: dict, bias: bool =
 
 
 def _split_bf16(x: torch.Tensor) -> tuple:
-    # fp32 -> (hi, lo) bf16 with x ≈ hi + lo: hi keeps 8 mantissa bits, lo the next 8 (relative error ~2^-17)
+    # fp32 -> (hi, lo) bf16 with x ≈ hi + lo: hi keeps 8 mantissa bits, lo the next 8 (relative error ~2^-17);
+    # a bf16 tensor is its own hi and has no lo (None)
+    if x.dtype == torch.bfloat16:
+        return x, None
     hi = x.to(torch.bfloat16)
     return hi, (x - hi.float()).to(torch.bfloat16)
 
@@ -68,11 +75,31 @@ def mm_bf16x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     The three products are one GEMM over a 3k-long inner dimension (``[a_hi | a_hi | a_lo] @ [b_hi; b_lo;
     b_hi]``), accumulated in fp32.  The dropped a_lo·b_lo term and the split leave a relative error of
     ~1e-5 per dot product (a plain bf16 GEMM: ~3e-3; TF32: ~5e-4), at 3x a bf16 GEMM's cost instead of an
-    fp32 GEMM's ~13x on Hopper.
+    fp32 GEMM's ~13x on Hopper.  An operand given in bf16 is exact (its lo part is zero), so its lo term
+    is left out: two products, at 2x the cost, with the same error.  With one operand exact and a narrow
+    output, the other operand's halves are stacked along the output instead (no copy of the wide exact
+    operand; e.g. the mHC mix GEMM, [m, 20480] @ [20480, 24]) and the two result halves added in fp32.
     """
     a_hi, a_lo = _split_bf16(a)
     b_hi, b_lo = _split_bf16(b)
-    return _mm_bf16_fp32_out(_cat_2d([a_hi, a_hi, a_lo], dim=1), _cat_2d([b_hi, b_lo, b_hi], dim=0))
+    m, k = a.shape
+    n = b.shape[1]
+    if a_lo is None and b_lo is not None and n < k:
+        out = _mm_bf16_fp32_out(a_hi, torch.cat([b_hi, b_lo], dim=1))  # [m, 2n]
+        return out[:, :n] + out[:, n:]
+    if b_lo is None and a_lo is not None and m < k:
+        out = _mm_bf16_fp32_out(torch.cat([a_hi, a_lo], dim=0), b_hi)  # [2m, n]
+        return out[:m] + out[m:]
+    a_parts, b_parts = [a_hi], [b_hi]
+    if b_lo is not None:
+        a_parts.append(a_hi)
+        b_parts.append(b_lo)
+    if a_lo is not None:
+        a_parts.append(a_lo)
+        b_parts.append(b_hi)
+    if len(a_parts) == 1:
+        return _mm_bf16_fp32_out(a_hi, b_hi)
+    return _mm_bf16_fp32_out(_cat_2d(a_parts, dim=1), _cat_2d(b_parts, dim=0))
 
 
 def _cat_2d(parts: list, dim: int) -> torch.Tensor:
@@ -83,8 +110,9 @@ def _cat_2d(parts: list, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-class _HeadBf16x3(torch.autograd.Function):
-    # logits [n, V] = x [n, D] · W [V, D]ᵀ, and both gradients, each one mm_bf16x3
+class _LinearBf16x3(torch.autograd.Function):
+    # y [n, N] = x [n, D] · W [N, D]ᵀ in fp32, and both gradients, each one mm_bf16x3.  x in bf16 (e.g. the
+    # final norm's output in bf16 training) is exact: the forward and grad_w take two products, grad_x three.
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
@@ -93,9 +121,19 @@ class _HeadBf16x3(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_x = mm_bf16x3(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_x = mm_bf16x3(grad, weight).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_w = mm_bf16x3(grad.t(), x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
+
+
+def linear_bf16x3(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [.., D] · weight [N, D]ᵀ -> [.., N]`` on bf16 tensor cores (``mm_bf16x3``) with both gradients.
+
+    x in bf16 is used as is (exact), anything else in fp32; the weight is used in fp32."""
+    lead = x.shape[:-1]
+    x = x if x.dtype == torch.bfloat16 else x.float()  # bf16 is exact in fp32: no need to widen it
+    out = _LinearBf16x3.apply(x.reshape(-1, x.shape[-1]), weight.float())
+    return out.view(*lead, weight.shape[0])
 
 
 def head_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -104,10 +142,8 @@ def head_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def head_bf16x3(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``bf16x3`` head backend: the fp32 GEMM emulated on bf16 tensor cores (``mm_bf16x3``), fp32 logits."""
-    lead = x.shape[:-1]
-    logits = _HeadBf16x3.apply(x.float().reshape(-1, x.shape[-1]), weight.float())
-    return logits.view(*lead, weight.shape[0])
+    """``bf16x3`` head backend: the fp32 GEMM emulated on bf16 tensor cores (``linear_bf16x3``), fp32 logits."""
+    return linear_bf16x3(x, weight)
 
 
 def make_head_matmul(backend: dict):

@@ -20,6 +20,40 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def weighted_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float
+) -> torch.Tensor:
+    # gate, up [m, inter] (expert GEMM outputs), weights fp32 [m] -> [m, inter] in gate's dtype, math in fp32
+    return (swiglu(gate.float(), up.float(), limit) * weights.unsqueeze(-1)).to(gate.dtype)
+
+
+_weighted_swiglu_compiled = None
+
+
+def fused_weighted_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """``weighted_swiglu`` as one compiled elementwise kernel on CUDA (forward and backward).
+
+    Eager, the fp32 casts, clamps, SiLU and products are eight passes over [m, inter] fp32 tensors, about
+    a quarter of the grouped experts' forward time at V4.1 sizes; fused, one pass over the bf16 inputs.
+    """
+    global _weighted_swiglu_compiled
+    if not gate.is_cuda:
+        return weighted_swiglu(gate, up, weights, limit)
+    if _weighted_swiglu_compiled is None:
+        _weighted_swiglu_compiled = torch.compile(weighted_swiglu, dynamic=True, fullgraph=True)
+    return _weighted_swiglu_compiled(gate, up, weights, limit)
+
+
+def combine_top_k(y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Expert outputs y [n·k, dim] in sorted order (row j is the (token, choice) slot ``order[j]``) -> fp32
+    [n, dim], each token's k rows summed in fp32.  Put back in slot order first, the sum needs no atomics
+    (deterministic) and no fp32 copy of y."""
+    y = y.new_empty(y.shape).index_copy_(0, order, y)
+    return y.view(n, k, -1).sum(1, dtype=torch.float32)
+
+
 class Router(nn.Module):
     """Scores in fp32, selects with the fixed correction bias (``bias_vl`` on image tokens), weighs unbiased."""
 
@@ -46,7 +80,9 @@ class Router(nn.Module):
         elif self.score_func == "sigmoid":
             scores = logits.sigmoid()
         else:
-            raise ValueError(f"unknown scoring_func {self.score_func!r}; use sqrtsoftplus, softmax or sigmoid")
+            raise ValueError(
+                f"unknown scoring_func {self.score_func!r}; use sqrtsoftplus, softmax or sigmoid"
+            )
         bias = self.bias
         if image_mask is not None and hasattr(self, "bias_vl"):
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
@@ -81,15 +117,20 @@ class RoutedExperts(nn.Module):
         # x [m, dim] sorted by local expert, counts [E_local], weights fp32 [m] -> [m, dim] in x.dtype
         if self.grouped:
             offs = counts.cumsum(0).to(torch.int32)
-            gate = torch._grouped_mm(x, self.w1.to(x.dtype).transpose(-2, -1), offs=offs).float()
-            up = torch._grouped_mm(x, self.w3.to(x.dtype).transpose(-2, -1), offs=offs).float()
-            h = (swiglu(gate, up, self.limit) * weights.unsqueeze(-1)).to(x.dtype)
+            gate = torch._grouped_mm(x, self.w1.to(x.dtype).transpose(-2, -1), offs=offs)
+            up = torch._grouped_mm(x, self.w3.to(x.dtype).transpose(-2, -1), offs=offs)
+            h = fused_weighted_swiglu(gate, up, weights, self.limit)
             return torch._grouped_mm(h, self.w2.to(x.dtype).transpose(-2, -1), offs=offs)
         outputs, start = [], 0
         for e, count in enumerate(counts.tolist()):
             rows = x[start : start + count]
-            h = swiglu(F.linear(rows, self.w1[e]).float(), F.linear(rows, self.w3[e]).float(), self.limit)
-            outputs.append(F.linear((h * weights[start : start + count, None]).to(x.dtype), self.w2[e]))
+            h = weighted_swiglu(
+                F.linear(rows, self.w1[e]),
+                F.linear(rows, self.w3[e]),
+                weights[start : start + count],
+                self.limit,
+            )
+            outputs.append(F.linear(h, self.w2[e]))
             start += count
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
 
@@ -97,12 +138,12 @@ class RoutedExperts(nn.Module):
         # x [n, dim], expert_ids [n, k] (global ids), weights fp32 [n, k] -> fp32 [n, dim] (sum over k)
         if self.dispatcher is not None:
             return self.dispatcher(self, x, expert_ids, weights)
+        n, k = expert_ids.shape
         flat = expert_ids.flatten()
-        order = flat.argsort(stable=True)
-        token = order // expert_ids.shape[1]
+        order = flat.argsort(stable=True)  # sorted row j holds (token, choice) slot order[j]
         counts = torch.bincount(flat, minlength=self.w1.shape[0])
-        y = self.grouped_forward(x[token], counts, weights.flatten()[order])
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y.float())
+        y = self.grouped_forward(x[order // k], counts, weights.flatten()[order])  # [n·k, dim], sorted
+        return combine_top_k(y, order, n, k)
 
 
 class Expert(nn.Module):
@@ -126,7 +167,10 @@ class MoE(nn.Module):
         self.gate = Router(config, has_image_bias)
         self.experts = RoutedExperts(config, backend)
         self.shared_experts = Expert(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit, backend
+            config.hidden_size,
+            config.moe_intermediate_size * config.n_shared_experts,
+            config.swiglu_limit,
+            backend,
         )
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:

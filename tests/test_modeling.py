@@ -53,7 +53,9 @@ def test_loss_is_shifted_cross_entropy(model):
     labels = ids.clone()
     labels[:, :10] = -100
     out = model(ids, labels=labels)
-    manual = F.cross_entropy(out.logits[:, :-1].reshape(-1, 1024), labels[:, 1:].reshape(-1), ignore_index=-100)
+    manual = F.cross_entropy(
+        out.logits[:, :-1].reshape(-1, 1024), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
     torch.testing.assert_close(out.loss, manual)
     assert out.logits.dtype == torch.float32
 
@@ -81,8 +83,13 @@ def test_every_trainable_parameter_gets_a_gradient(v4_tokenizer):
         assert torch.isfinite(param.grad).all(), f"{name} has a non-finite gradient"
         assert param.grad.abs().sum() > 0, f"{name} got an all-zero gradient"
     # The window-KV path and the compressors reach the loss only through FP8/FP4 quantize-dequantize.
-    for name in ("layers.0.attn.wkv.weight", "layers.0.attn.kv_norm.weight", "layers.2.attn.compressor.wkv.weight",
-                 "layers.2.attn.compressor.wgate.weight", "layers.5.attn.compressor.wkv.weight"):
+    for name in (
+        "layers.0.attn.wkv.weight",
+        "layers.0.attn.kv_norm.weight",
+        "layers.2.attn.compressor.wkv.weight",
+        "layers.2.attn.compressor.wgate.weight",
+        "layers.5.attn.compressor.wkv.weight",
+    ):
         assert model.get_parameter(name).grad.abs().sum() > 0, name
 
 
@@ -95,7 +102,9 @@ def test_engram_gradients_reach_only_looked_up_rows(v4_tokenizer):
         rows = engram.hash(ids, None)  # [b, s, cols]
         used, predicting = (torch.zeros(engram.embed.num_embeddings, dtype=torch.bool) for _ in range(2))
         used[rows.flatten()] = True
-        predicting[rows[:, :-1].flatten()] = True  # the last position predicts nothing: its rows get no gradient
+        predicting[rows[:, :-1].flatten()] = (
+            True  # the last position predicts nothing: its rows get no gradient
+        )
         touched = engram.embed.weight.grad.abs().sum(-1) > 0
         assert not (touched & ~used).any(), f"layer {layer}: rows that were not looked up got gradient"
         assert not (predicting & ~touched).any(), f"layer {layer}: looked-up rows got no gradient"
@@ -108,7 +117,9 @@ def test_dtype_contract(v4_tokenizer):
     assert "head.weight" in fp32 and "layers.3.attn.attn_sink" in fp32 and "layers.0.ffn.gate.bias" in fp32
     assert {"layers.0.hc_attn_fn", "layers.0.hc_ffn_base", "layers.8.hc_ffn_scale"} <= fp32
     assert {"layers.2.attn.compressor.wkv.weight", "layers.2.attn.compressor.wgate.weight"} <= fp32
-    assert model.get_parameter("layers.5.attn.compressor.wkv.weight").dtype == torch.bfloat16, "ratio 1 stays bf16"
+    assert model.get_parameter("layers.5.attn.compressor.wkv.weight").dtype == torch.bfloat16, (
+        "ratio 1 stays bf16"
+    )
     assert model.get_parameter("layers.0.attn.wq_a.weight").dtype == torch.bfloat16
     assert model.get_parameter("embed.weight").dtype == torch.bfloat16
     with torch.no_grad():
@@ -125,13 +136,18 @@ def test_grouped_experts_equal_the_loop(v4_tokenizer):
     out_g.loss.backward()
     out_l.loss.backward()
     for name in ("layers.3.ffn.experts.w1", "layers.3.ffn.experts.w2", "layers.3.ffn.experts.w3"):
-        torch.testing.assert_close(grouped.get_parameter(name).grad, loop.get_parameter(name).grad,
-                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            grouped.get_parameter(name).grad, loop.get_parameter(name).grad, rtol=1e-4, atol=1e-6
+        )
 
 
 def test_stacked_experts_have_released_shapes(model):
     experts = model.layers[0].ffn.experts
-    assert experts.w1.shape == (8, 64, 32) and experts.w3.shape == (8, 64, 32) and experts.w2.shape == (8, 32, 64)
+    assert (
+        experts.w1.shape == (8, 64, 32)
+        and experts.w3.shape == (8, 64, 32)
+        and experts.w2.shape == (8, 32, 64)
+    )
 
 
 def test_full_config_builds_on_meta_with_552b_backbone(v4_tokenizer):
@@ -209,6 +225,72 @@ def test_bf16x3_head_matches_the_fp32_head_with_gradients(v4_tokenizer):
     for name in ("head.weight", "norm.weight", "layers.8.ffn.shared_experts.w2.weight"):
         grad_ref, grad_emu = ref.get_parameter(name).grad, emu.get_parameter(name).grad
         assert rel_err(grad_emu, grad_ref) < 3e-5, name  # measured <= 4e-6
+
+
+def test_bf16x3_skips_the_zero_low_half_of_a_bf16_operand(monkeypatch):
+    from deepseek_v41 import layers
+
+    work = []  # multiply-adds of each bf16 GEMM
+    real = layers._mm_bf16_fp32_out
+    monkeypatch.setattr(
+        layers,
+        "_mm_bf16_fp32_out",
+        lambda a, b: work.append(a.shape[0] * a.shape[1] * b.shape[1]) or real(a, b),
+    )
+    g = torch.Generator().manual_seed(1)
+    a16, b = torch.randn(64, 512, generator=g).bfloat16(), torch.randn(512, 96, generator=g)
+    wide = torch.randn(512, 2048, generator=g)
+    cases = [  # (a, b, products): an operand given in bf16 has no low half
+        (a16, b, 2),  # narrow output: b's halves side by side
+        (b.t(), a16.t(), 2),  # the same on the left (as in grad_w)
+        (a16, wide, 2),  # wide output: along the inner dimension (the head)
+        (a16.float(), b, 3),
+    ]
+    for a, bb, products in cases:
+        work.clear()
+        out = layers.mm_bf16x3(a, bb)
+        exact = a.double() @ bb.double()
+        assert sum(work) == products * a.shape[0] * a.shape[1] * bb.shape[1]
+        assert out.dtype == torch.float32 and rel_err(out, exact) < 2e-5
+        if a.dtype == torch.bfloat16:  # the same sum as with the widened operand, in another order
+            assert rel_err(out, layers.mm_bf16x3(a.float(), bb)) < 2e-6
+
+
+def test_mhc_mix_logits_on_bf16_tensor_cores_match_the_fp32_reference():
+    # the tile-kernels mHC backend's mix GEMM (bf16 streams, fp32 fn) against mhc.hc_mix_logits, with gradients
+    from deepseek_v41.mhc import hc_mix_logits
+    from deepseek_v41.mhc_tile_kernels import hc_mix_logits_bf16x3
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 16, 4, 256, generator=g).bfloat16()
+    fn = torch.randn(24, 4 * 256, generator=g) * 0.02
+    dy = torch.randn(2, 16, 24, generator=g)
+    (x_ref, fn_ref), (x_new, fn_new) = [(x.clone().requires_grad_(), fn.clone().requires_grad_()) for _ in range(2)]
+    ref = hc_mix_logits(x_ref, fn_ref, 1e-6)
+    new = hc_mix_logits_bf16x3(x_new, fn_new, 1e-6)
+    assert new.dtype == torch.float32 and rel_err(new, ref) < 2e-5
+    ref.backward(dy)
+    new.backward(dy)
+    assert rel_err(fn_new.grad, fn_ref.grad) < 2e-5
+    assert x_new.grad.dtype == torch.bfloat16 and rel_err(x_new.grad, x_ref.grad) < 1e-2
+
+
+def test_bf16x3_head_in_a_bf16_model(v4_tokenizer):
+    # bf16 training: the head input is bf16 (exact), the head weight fp32; logits stay fp32 and close to
+    # the IEEE fp32 head, and the input gradient comes back in bf16
+    ref = tiny_model(v4_tokenizer, dtype=torch.bfloat16).train()
+    emu = tiny_model(v4_tokenizer, dtype=torch.bfloat16, backend={"head": "bf16x3"}).train()
+    emu.load_state_dict(ref.state_dict())
+    assert emu.head.weight.dtype == torch.float32
+    ids = ids_batch(s=32)
+    out_ref, out_emu = ref(ids, labels=ids), emu(ids, labels=ids)
+    assert out_emu.logits.dtype == torch.float32
+    assert rel_err(out_emu.logits, out_ref.logits) < 3e-5
+    out_ref.loss.backward()
+    out_emu.loss.backward()
+    assert rel_err(emu.head.weight.grad, ref.head.weight.grad) < 3e-5
+    assert emu.norm.weight.grad.dtype == ref.norm.weight.grad.dtype
+    assert rel_err(emu.norm.weight.grad, ref.norm.weight.grad) < 1e-2
 
 
 def test_activation_checkpointing_gives_identical_gradients(v4_tokenizer):

@@ -12,7 +12,7 @@ The ``torch`` dispatcher follows the Megatron "alltoall" pattern, all differenti
 3. ``all_to_all_single`` the token rows (x dtype) and their routing weights (fp32);
 4. regroup the received rows by local expert and run ``RoutedExperts.grouped_forward``;
 5. undo the regrouping, send the rows home with the reverse all-to-all;
-6. sum the ``k`` copies of each token in fp32 (the same ``index_add_`` as the local path).
+6. sum the ``k`` copies of each token in fp32 (``combine_top_k``, as the local path does).
 """
 
 import importlib.util
@@ -20,6 +20,8 @@ import importlib.util
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..moe import combine_top_k
 
 
 class _AllToAll(torch.autograd.Function):
@@ -65,11 +67,10 @@ class AllToAllDispatcher:
         e_local = experts.w1.shape[0]
         flat = expert_ids.flatten()
         order = flat.argsort(stable=True)  # by global expert = by (destination rank, local expert)
-        token = order // k
         counts = torch.bincount(flat, minlength=experts.n_experts).view(self.size, e_local)  # [W, E_local]
         received = exchange_counts(counts, self.group)  # [W, E_local]: rows per (source rank, my expert)
         send, recv = counts.sum(1).tolist(), received.sum(1).tolist()
-        x_in = all_to_all(x[token], send, recv, self.group)  # [m, dim], by source rank then local expert
+        x_in = all_to_all(x[order // k], send, recv, self.group)  # [m, dim], by source rank then local expert
         w_in = all_to_all(weights.flatten()[order], send, recv, self.group)  # [m] fp32
         local_expert = torch.arange(e_local, device=x.device).repeat(self.size)
         local_expert = local_expert.repeat_interleave(received.flatten())  # [m]
@@ -78,9 +79,7 @@ class AllToAllDispatcher:
         restore = torch.empty_like(regroup)
         restore[regroup] = torch.arange(regroup.numel(), device=regroup.device)
         y_home = all_to_all(y[restore], recv, send, self.group)  # [n * k, dim], in `order`
-        return torch.zeros((n, x.shape[-1]), dtype=torch.float32, device=x.device).index_add_(
-            0, token, y_home.float()
-        )
+        return combine_top_k(y_home, order, n, k)
 
 
 def make_dispatcher(name: str, group):

@@ -1,12 +1,15 @@
-"""``torch._grouped_mm`` (the grouped-experts GEMM) in bf16 on CUDA against a per-expert F.linear loop.
+"""``experts: torch_mm`` (``torch._grouped_mm``, bf16) against ``experts: torch`` (a per-expert loop) on CUDA.
 
-SwiGLU experts: h = x·W13ᵀ (gate and up stacked), a = silu(h_gate)·h_up, y = a·W2ᵀ, tokens sorted by
-expert with int32 cumulative offsets; empty experts included.  Skips without a CUDA GPU.
+Both are the model's own ``RoutedExperts`` with the same weights: routed SwiGLU with the clamp and
+the fp32 routing weights, tokens sorted by expert, empty experts included.  Skips without a CUDA GPU.
 """
+
+from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
+
+from deepseek_v41.moe import RoutedExperts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,47 +22,44 @@ def rel_err(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def swiglu_grouped(x, w13, w2, offs):
-    # x [S, D] sorted by expert, w13 [E, 2I, D], w2 [E, D, I], offs [E] int32 cumsum -> [S, D]
-    h = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
-    gate, up = h.chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
-
-
-def swiglu_loop(x, w13, w2, counts):
-    out, start = [], 0
-    for e, c in enumerate(counts):
-        xe = x[start : start + c]
-        gate, up = F.linear(xe, w13[e]).chunk(2, dim=-1)
-        out.append(F.linear(F.silu(gate) * up, w2[e]))
-        start += c
-    return torch.cat(out)
+def routed_experts(backend, E, D, I, gen):
+    config = SimpleNamespace(n_routed_experts=E, hidden_size=D, moe_intermediate_size=I, swiglu_limit=10.0)
+    experts = RoutedExperts(config, {"experts": backend}).cuda()
+    with torch.no_grad():
+        for w, fan_in in ((experts.w1, D), (experts.w3, D), (experts.w2, I)):
+            w.copy_(torch.randn(w.shape, device="cuda", generator=gen) * fan_in**-0.5)
+    return experts.bfloat16()
 
 
 @pytest.mark.parametrize("counts", [[0, 37, 128, 0, 5, 200, 1, 0], [64] * 8, [0] * 7 + [300]])
-def test_grouped_mm_matches_expert_loop(counts):
+def test_grouped_experts_match_the_loop(counts):
+    # `counts` rows go to each expert: token t's two choices are expert e(t) and the next non-empty expert
     gen = torch.Generator(device="cuda").manual_seed(sum(counts))
-    E, D, I = len(counts), 256, 128
-    S = sum(counts)
-    x = torch.randn(S, D, device="cuda", generator=gen).bfloat16()
-    w13 = (torch.randn(E, 2 * I, D, device="cuda", generator=gen) * D**-0.5).bfloat16()
-    w2 = (torch.randn(E, D, I, device="cuda", generator=gen) * I**-0.5).bfloat16()
-    offs = torch.tensor(counts, device="cuda").cumsum(0).int()
-    dy = torch.randn(S, D, device="cuda", generator=gen).bfloat16()
+    E, D, I, k = len(counts), 256, 128, 2
+    first = torch.repeat_interleave(torch.arange(E), torch.tensor(counts)).cuda()
+    nonempty = [e for e, c in enumerate(counts) if c]
+    second = torch.tensor([nonempty[(nonempty.index(e) + 1) % len(nonempty)] for e in first.tolist()]).cuda()
+    expert_ids = torch.stack([first, second], dim=1)
+    n = expert_ids.shape[0]
+    weights = torch.rand(n, k, device="cuda", generator=gen)  # fp32, as the router gives them
+    x = torch.randn(n, D, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(n, D, device="cuda", generator=gen)
 
-    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
-    y = swiglu_grouped(*leaves, offs)
+    grouped = routed_experts("torch_mm", E, D, I, gen)
+    loop = routed_experts("torch", E, D, I, gen)
+    loop.load_state_dict(grouped.state_dict())
+    xg, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_ref = grouped(xg, expert_ids, weights), loop(xl, expert_ids, weights)
     y.backward(dy)
-    ref_leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
-    y_ref = swiglu_loop(*ref_leaves, counts)
     y_ref.backward(dy)
 
-    assert y.dtype == torch.bfloat16 and y.shape == (S, D)
+    assert y.dtype == torch.float32 and y.shape == (n, D)
     assert rel_err(y, y_ref) < 1e-2
-    for name, a, r in zip(("dx", "dw13", "dw2"), leaves, ref_leaves):
-        assert rel_err(a.grad, r.grad) < 1e-2, name
-    # experts that got no token get exactly zero weight gradient
-    for e, c in enumerate(counts):
-        if c == 0:
-            assert leaves[1].grad[e].abs().max().item() == 0.0
-            assert leaves[2].grad[e].abs().max().item() == 0.0
+    assert rel_err(xg.grad, xl.grad) < 1e-2
+    used = [e for e in range(E) if (expert_ids == e).any()]
+    for name in ("w1", "w3", "w2"):
+        g, r = grouped.get_parameter(name).grad, loop.get_parameter(name).grad
+        assert rel_err(g[used], r[used]) < 1e-2, name
+        for e in range(E):  # an expert that got no token gets exactly zero gradient
+            if e not in used:
+                assert g[e].abs().max().item() == 0.0, (name, e)

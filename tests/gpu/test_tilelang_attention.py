@@ -57,6 +57,8 @@ SHAPES = [
     # (b, s, h, d, topk, ratio): k = 128 window slots + topk
     pytest.param(1, 256, 16, 512, 64, 2, id="b1_s256_h16_k192"),
     pytest.param(2, 512, 64, 512, 512, 1, id="b2_s512_h64_k640"),
+    # d = 192 (24 copy chunks a row), 80 heads (two head blocks, padded), k = 328 padded to 384
+    pytest.param(1, 200, 80, 192, 200, 4, id="b1_s200_h80_d192_k328"),
 ]
 
 
