@@ -10,7 +10,8 @@ tile-kernels instead of chains of eager fp32 ops:
 | ``hc_post``  | ``mhc_post_{fwd,bwd}``                                         | the fp32 einsum mix + ``post · y``     |
 
 The mix GEMM of ``hc_mix`` (streams · ``fn`` with the RMS factor) stays in PyTorch, as tile-kernels leaves
-it to DeepGEMM: here an fp32-accurate GEMM on bf16 tensor cores (``hc_mix_logits_bf16x3``).  Coefficients stay fp32; streams and sublayer outputs are bf16, which the
+it to DeepGEMM; here it is an fp32-accurate GEMM on bf16 tensor cores (``hc_mix_logits_bf16x3``).
+Coefficients stay fp32; streams and sublayer outputs are bf16, which the
 kernels require (their hidden size must also be a multiple of 128).  tile-kernels' defaults are not V4's:
 the post multiplier 2.0 and the Sinkhorn round count are passed explicitly.
 """
@@ -66,17 +67,7 @@ class _SplitSinkhorn(torch.autograd.Function):
         tkm.mhc_sinkhorn_bwd(d_comb, logits.view(n, hc, hc), d_logits, ctx.iters, ctx.eps)
         d_mixes, d_scale, d_base = torch.empty_like(mixes), torch.empty_like(scale), torch.empty_like(base)
         tkm.mhc_pre_split_mixes_bwd(
-            d_pre,
-            d_post,
-            d_logits.view(n, hc * hc),
-            mixes,
-            post,
-            scale,
-            base,
-            d_mixes,
-            d_scale,
-            d_base,
-            POST_MULT,
+            d_pre, d_post, d_logits.view(n, hc * hc), mixes, post, scale, base, d_mixes, d_scale, d_base, POST_MULT
         )
         return d_mixes, d_scale, d_base, None, None, None
 
@@ -128,12 +119,7 @@ def hc_mix(x, fn, base, scale, hc: int, sinkhorn_iters: int, hc_eps: float, norm
     mixes = hc_mix_logits_bf16x3(x, fn, norm_eps)  # [b, s, (2+hc)·hc] fp32
     lead = mixes.shape[:-1]
     pre, post, comb = _SplitSinkhorn.apply(
-        mixes.reshape(-1, mixes.shape[-1]).contiguous(),
-        scale.float(),
-        base.float(),
-        hc,
-        sinkhorn_iters,
-        hc_eps,
+        mixes.reshape(-1, mixes.shape[-1]).contiguous(), scale.float(), base.float(), hc, sinkhorn_iters, hc_eps
     )
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
@@ -142,9 +128,7 @@ def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     # x [b, s, hc, d] bf16, pre [b, s, hc] fp32 -> [b, s, d] bf16
     _check_streams(x)
     b, s, hc, d = x.shape
-    out = _PreApplyMix.apply(
-        x.reshape(b * s, hc, d).contiguous(), pre.float().reshape(b * s, hc).contiguous()
-    )
+    out = _PreApplyMix.apply(x.reshape(b * s, hc, d).contiguous(), pre.float().reshape(b * s, hc).contiguous())
     return out.view(b, s, d)
 
 
@@ -152,8 +136,5 @@ def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     # y [b, s, d], x [b, s, hc, d] -> [b, s, hc, d]: out_j = post_j * y + sum_i comb[i, j] * x_i
     _check_streams(x)
     return _Post.apply(
-        y.to(x.dtype).contiguous(),
-        x.contiguous(),
-        post.float().unsqueeze(-1).contiguous(),
-        comb.float().contiguous(),
+        y.to(x.dtype).contiguous(), x.contiguous(), post.float().unsqueeze(-1).contiguous(), comb.float().contiguous()
     )
