@@ -126,24 +126,19 @@ class _LinearBf16x3(torch.autograd.Function):
         return grad_x, grad_w
 
 
-def linear_bf16x3(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x [.., D] · weight [N, D]ᵀ -> [.., N]`` on bf16 tensor cores (``mm_bf16x3``) with both gradients.
-
-    x in bf16 is used as is (exact), anything else in fp32; the weight is used in fp32."""
-    lead = x.shape[:-1]
-    x = x if x.dtype == torch.bfloat16 else x.float()  # bf16 is exact in fp32: no need to widen it
-    out = _LinearBf16x3.apply(x.reshape(-1, x.shape[-1]), weight.float())
-    return out.view(*lead, weight.shape[0])
-
-
 def head_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``fp32`` head backend (default, the reference numerics): an IEEE fp32 GEMM."""
     return nn.functional.linear(x.float(), weight.float())
 
 
 def head_bf16x3(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``bf16x3`` head backend: the fp32 GEMM emulated on bf16 tensor cores (``linear_bf16x3``), fp32 logits."""
-    return linear_bf16x3(x, weight)
+    """``bf16x3`` head backend: the fp32 GEMM emulated on bf16 tensor cores (``mm_bf16x3``), fp32 logits.
+
+    x in bf16 (bf16 training) is used as is, being exact; anything else in fp32.  The weight is fp32."""
+    lead = x.shape[:-1]
+    x = x if x.dtype == torch.bfloat16 else x.float()
+    logits = _LinearBf16x3.apply(x.reshape(-1, x.shape[-1]), weight.float())
+    return logits.view(*lead, weight.shape[0])
 
 
 def make_head_matmul(backend: dict):

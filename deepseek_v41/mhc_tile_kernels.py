@@ -23,7 +23,7 @@ try:  # optional GPU dependency (backends.check_available names it); in try so r
 except ImportError:
     tkm = None
 
-from .layers import linear_bf16x3
+from .layers import mm_bf16x3
 
 POST_MULT = 2.0  # post = 2 · sigmoid(...)
 
@@ -103,14 +103,36 @@ class _Post(torch.autograd.Function):
         return tuple(g.to(t.dtype) for g, t in zip(grads, (y, x, post, comb)))
 
 
+class _MixLogitsBf16x3(torch.autograd.Function):
+    # x bf16 [m, K], fn fp32 [N, K] -> fp32 [m, N] = (x · fnᵀ) · r with r = rsqrt(mean(x²) + eps) per row.
+    # The GEMMs run on bf16 tensor cores (mm_bf16x3; x is exact in bf16, so two products), the mean square
+    # is reduced from bf16 in fp32, and dx is formed in fp32 and rounded to bf16 once.
+    @staticmethod
+    def forward(ctx, x, fn, eps):
+        k = x.shape[-1]
+        r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square() / k + eps)
+        y = mm_bf16x3(x, fn.t())
+        ctx.save_for_backward(x, fn, r, y)
+        return y * r
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, fn, r = ctx.saved_tensors[:3]
+        y = ctx.saved_tensors[3]
+        k = x.shape[-1]
+        g_y = grad * r  # [m, N]
+        # d(y·r)/dx = g_y · fn + (Σ_n grad·y) · dr/dx, dr/dx = −r³ x / K
+        coef = (grad * y).sum(-1, keepdim=True) * r.pow(3) / k  # [m, 1]
+        dx = torch.addcmul(mm_bf16x3(g_y, fn), coef, x, value=-1.0).to(x.dtype)
+        return dx, mm_bf16x3(g_y.t(), x), None
+
+
 def hc_mix_logits_bf16x3(x, fn, norm_eps: float) -> torch.Tensor:
-    """``mhc.hc_mix_logits`` for bf16 streams: the fp32 GEMM on bf16 tensor cores (``linear_bf16x3``; the
-    streams are exact in bf16, so two products) and the RMS reduced from bf16 in fp32, with no fp32 copy of
-    the [b, s, hc·d] streams (eager, that copy and its passes cost more than the GEMM)."""
-    flat = x.flatten(-2)  # [b, s, hc·d]
-    norm = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32)
-    inv_rms = torch.rsqrt(norm.square() / flat.shape[-1] + norm_eps)
-    return linear_bf16x3(flat, fn) * inv_rms
+    """``mhc.hc_mix_logits`` for bf16 streams x [b, s, hc, d] -> fp32 [b, s, (2+hc)·hc], on bf16 tensor cores
+    with fp32 accuracy and no fp32 copy of the streams (eager, that copy and its passes cost more than the GEMM)."""
+    flat = x.reshape(-1, x.shape[-2] * x.shape[-1])  # [b·s, hc·d]
+    out = _MixLogitsBf16x3.apply(flat, fn.float(), norm_eps)
+    return out.view(*x.shape[:-2], fn.shape[0])
 
 
 def hc_mix(x, fn, base, scale, hc: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):

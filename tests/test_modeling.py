@@ -272,7 +272,8 @@ def test_mhc_mix_logits_on_bf16_tensor_cores_match_the_fp32_reference():
     ref.backward(dy)
     new.backward(dy)
     assert rel_err(fn_new.grad, fn_ref.grad) < 2e-5
-    assert x_new.grad.dtype == torch.bfloat16 and rel_err(x_new.grad, x_ref.grad) < 1e-2
+    # dx is summed in fp32 and rounded once, like the reference (measured 1.3e-4: a few bf16 ties)
+    assert x_new.grad.dtype == torch.bfloat16 and rel_err(x_new.grad, x_ref.grad) < 1e-3
 
 
 def test_bf16x3_head_in_a_bf16_model(v4_tokenizer):
