@@ -51,7 +51,7 @@ def combine_top_k(y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch
     [n, dim], each token's k rows summed in fp32.  Put back in slot order first, the sum needs no atomics
     (deterministic) and no fp32 copy of y."""
     y = y.new_empty(y.shape).index_copy_(0, order, y)
-    return y.view(n, k, -1).sum(1, dtype=torch.float32)
+    return y.view(n, k, y.shape[-1]).sum(1, dtype=torch.float32)
 
 
 class Router(nn.Module):
@@ -116,6 +116,13 @@ class RoutedExperts(nn.Module):
     def grouped_forward(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [m, dim] sorted by local expert, counts [E_local], weights fp32 [m] -> [m, dim] in x.dtype
         if self.grouped:
+            inter, dim = self.w1.shape[1], self.w1.shape[2]
+            if (inter * x.element_size()) % 16 or (dim * x.element_size()) % 16:
+                raise ValueError(
+                    f"experts backend 'torch_mm' (torch._grouped_mm) needs rows of 16-byte multiples: "
+                    f"hidden_size ({dim}) and moe_intermediate_size ({inter}) must be multiples of "
+                    f"{16 // x.element_size()} in {x.dtype}; change them or use experts backend 'torch'"
+                )
             offs = counts.cumsum(0).to(torch.int32)
             gate = torch._grouped_mm(x, self.w1.to(x.dtype).transpose(-2, -1), offs=offs)
             up = torch._grouped_mm(x, self.w3.to(x.dtype).transpose(-2, -1), offs=offs)

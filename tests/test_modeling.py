@@ -141,6 +141,27 @@ def test_grouped_experts_equal_the_loop(v4_tokenizer):
         )
 
 
+def test_grouped_experts_name_misaligned_sizes_and_handle_no_tokens():
+    from types import SimpleNamespace
+
+    from deepseek_v41.moe import RoutedExperts
+
+    def experts(backend, inter):
+        cfg = SimpleNamespace(n_routed_experts=4, hidden_size=8, moe_intermediate_size=inter, swiglu_limit=10.0)
+        m = RoutedExperts(cfg, {"experts": backend})
+        for w in (m.w1, m.w3, m.w2):
+            torch.nn.init.normal_(w)
+        return m
+
+    ids, w = torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2)
+    with pytest.raises(ValueError, match="moe_intermediate_size \\(6\\) must be multiples of 4 in torch.float32"):
+        experts("torch_mm", 6)(torch.randn(5, 8), ids, w)
+    assert experts("torch", 6)(torch.randn(5, 8), ids, w).shape == (5, 8)  # the loop has no such limit
+    for backend in ("torch_mm", "torch"):  # no token at all: an empty fp32 result, not a reshape error
+        out = experts(backend, 8)(torch.randn(0, 8), ids[:0], w[:0])
+        assert out.shape == (0, 8) and out.dtype == torch.float32
+
+
 def test_stacked_experts_have_released_shapes(model):
     experts = model.layers[0].ffn.experts
     assert (
