@@ -68,10 +68,11 @@ def forward_flops_per_token(model, seq: int) -> float:
 
 
 def print_profile(model, optimizer, ids, rows: int, label: str) -> None:
-    """One more step under torch.profiler: the CUDA kernels that take the most time, summed by name."""
+    """One more step under torch.profiler: the CUDA kernels that take the most time, summed by name, then the
+    PyTorch ops (with input shapes) whose own kernels take the most, to tell which code launched them."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         model(ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -82,6 +83,16 @@ def print_profile(model, optimizer, ids, rows: int, label: str) -> None:
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]:
         share = 100 * e.self_device_time_total / total
         print(f"{e.self_device_time_total / 1e3:9.2f} ms {share:5.1f}% {e.count:6d}x  {e.key[:110]}")
+    ops = [
+        e
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0
+    ]
+    print(f"# {label}: top {rows} PyTorch ops by the device time of the kernels they launch themselves")
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:rows]:
+        share = 100 * e.self_device_time_total / total
+        shapes = str(e.input_shapes)[:80]
+        print(f"{e.self_device_time_total / 1e3:9.2f} ms {share:5.1f}% {e.count:6d}x  {e.key[:40]:40s} {shapes}")
 
 
 def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps: int, tokenizer,
