@@ -197,6 +197,7 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256):
             if n_steps % 2 == 1:
                 step(q_s, kv0, p_s, idx_s, n_steps - 1, acc_s, acc_o, m, m_prev, l, l_blk, alpha, pending=0)
 
+            # the sink joins the denominator only: rescale to the common max with it
             for h in T.Parallel(HB):
                 lse[h] = T.max(m[h] * c, Sink2[h0 + h])
                 alpha[h] = T.exp2(m[h] * c - lse[h])
@@ -262,9 +263,7 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
             T.fill(delta_acc, 0)
             for cc in T.serial(dim // DC):
                 for h, d in T.Parallel(HB, DC):
-                    part[h, d] = T.Cast(f32, do_s[h, cc * DC + d]) * T.Cast(
-                        f32, O[bz, s_i, h0 + h, cc * DC + d]
-                    )
+                    part[h, d] = T.Cast(f32, do_s[h, cc * DC + d]) * T.Cast(f32, O[bz, s_i, h0 + h, cc * DC + d])
                 T.reduce_sum(part, part_sum, dim=1)
                 for h in T.Parallel(HB):
                     delta_acc[h] = delta_acc[h] + part_sum[h]
@@ -276,9 +275,7 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
                 for r, d in T.Parallel(BI, dim):
                     kv_s[r, d] = KV[bz, T.max(idx_s[it * BI + r], 0), d]
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(
-                    do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol
-                )
+                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 # P = softmax probability (sink included in lse2); empty slots get P = 0
                 for h, r in T.Parallel(HB, BI):
                     acc_s[h, r] = T.if_then_else(idx_s[it * BI + r] >= 0, T.exp2(acc_s[h, r] * c - lse[h]), 0)
@@ -287,9 +284,7 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
                 T.copy(acc_s, p_s)
                 T.copy(acc_dp, ds_s)
                 T.copy(ds_s, dS[bz, s_i, h0 : h0 + HB, it * BI : it * BI + BI])
-                T.gemm(
-                    ds_s, q_s, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol
-                )
+                T.gemm(ds_s, q_s, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
                 for r, d in T.Parallel(BI, dim):
                     if idx_s[it * BI + r] >= 0:
@@ -344,11 +339,7 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
         K: T.Tensor([batch, n_idx, dim], bf16),
         Score: T.Tensor([batch, seq, n_idx], f32),
     ):
-        with T.Kernel(T.ceildiv(n_idx, BT * tiles), T.ceildiv(seq, BQ), batch, threads=threads) as (
-            bt,
-            bq,
-            bz,
-        ):
+        with T.Kernel(T.ceildiv(n_idx, BT * tiles), T.ceildiv(seq, BQ), batch, threads=threads) as (bt, bq, bz):
             q_s = T.alloc_shared([M, dim], bf16)
             k_s = T.alloc_shared([BT, dim], bf16)
             w_s = T.alloc_shared([M], f32)
@@ -358,9 +349,7 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
             i0 = bq * BQ
             visible = (i0 + BQ) // ratio  # the block's last query sees entries t < visible
             for m_, d in T.Parallel(M, dim):
-                q_s[m_, d] = T.if_then_else(
-                    i0 + m_ // heads < seq, Qi[bz, i0 + m_ // heads, m_ % heads, d], 0
-                )
+                q_s[m_, d] = T.if_then_else(i0 + m_ // heads < seq, Qi[bz, i0 + m_ // heads, m_ % heads, d], 0)
             for m_ in T.Parallel(M):
                 w_s[m_] = T.if_then_else(i0 + m_ // heads < seq, W[bz, i0 + m_ // heads, m_ % heads], 0)
             for tt in T.serial(tiles):
@@ -391,7 +380,6 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
 # ----------------------------------------------------------------------------------------------
 # Compilation cache and launchers
 # ----------------------------------------------------------------------------------------------
-
 
 def _compile(program, fast_math: bool = False):
     # name the architecture: Hopper needs the "a" variant (sm_90a) for wgmma
@@ -443,9 +431,7 @@ def _check_attn_inputs(q, kv, sink, idx):
             "cast them or use attn backend 'torch'"
         )
     if d % 64 != 0 or d > 512:
-        raise ValueError(
-            f"sparse_attention_tilelang needs a head dim that is a multiple of 64 and <= 512, got {d}"
-        )
+        raise ValueError(f"sparse_attention_tilelang needs a head dim that is a multiple of 64 and <= 512, got {d}")
     if not (q.is_cuda and kv.is_cuda and idx.is_cuda and sink.is_cuda):
         raise ValueError("sparse_attention_tilelang needs q, kv, sink and idx on the same CUDA device")
 
@@ -509,35 +495,24 @@ def sparse_attention_tilelang(
     return _SparseAttention.apply(q, kv, sink, idx, float(scale))
 
 
-def indexer_scores_tilelang(
-    q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int
-) -> torch.Tensor:
+def indexer_scores_tilelang(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int) -> torch.Tensor:
     """TileLang version of ``indexer_scores_torch`` (forward only: the indexer is frozen).
 
     q [b, s, H, D] bf16, weights [b, s, H], index_k [b, T, D] bf16 -> scores [b, s, T] fp32 with
     ``-inf`` where ``t >= (i + 1) // ratio``.
     """
     _require_tilelang()
-    if (
-        q.dim() != 4
-        or weights.shape != q.shape[:3]
-        or index_k.dim() != 3
-        or index_k.shape[::2] != q.shape[::3]
-    ):
+    if q.dim() != 4 or weights.shape != q.shape[:3] or index_k.dim() != 3 or index_k.shape[::2] != q.shape[::3]:
         raise ValueError(
             "indexer_scores_tilelang expects q [b, s, H, D], weights [b, s, H], index_k [b, T, D]; got "
             f"{tuple(q.shape)}, {tuple(weights.shape)}, {tuple(index_k.shape)}"
         )
     if q.dtype != torch.bfloat16 or index_k.dtype != torch.bfloat16:
-        raise TypeError(
-            f"indexer_scores_tilelang needs bfloat16 q and index_k (got {q.dtype}, {index_k.dtype})"
-        )
+        raise TypeError(f"indexer_scores_tilelang needs bfloat16 q and index_k (got {q.dtype}, {index_k.dtype})")
     b, s, H, D = q.shape
     n_idx = index_k.shape[1]
     if 128 % H != 0 or D % 16 != 0:
-        raise ValueError(
-            f"indexer_scores_tilelang needs 128 % heads == 0 and dim % 16 == 0, got H={H}, D={D}"
-        )
+        raise ValueError(f"indexer_scores_tilelang needs 128 % heads == 0 and dim % 16 == 0, got H={H}, D={D}")
     kernel = _indexer_kernel(b, s, n_idx, H, D, int(ratio), _device_key(q))
     out = torch.empty((b, s, n_idx), dtype=torch.float32, device=q.device)
     kernel(q.contiguous(), weights.float().contiguous(), index_k.contiguous(), out)
@@ -570,9 +545,7 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
                     "tilelang_shapes_for(config, batch, seq) builds them from a text config"
                 )
             if spec.get("kind", "attention") == "indexer":
-                _indexer_kernel(
-                    spec["b"], spec["s"], spec["T"], spec["H"], spec["D"], int(spec["ratio"]), dev
-                )
+                _indexer_kernel(spec["b"], spec["s"], spec["T"], spec["H"], spec["D"], int(spec["ratio"]), dev)
                 count += 1
                 continue
             hp = -(-spec["h"] // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
@@ -591,15 +564,6 @@ def tilelang_shapes_for(config, batch: int, seq: int) -> list:
         k = config.sliding_window + min(config.index_topk, n_comp)
         specs.append({"b": batch, "s": seq, "n": seq + n_comp, "h": h, "d": d, "k": k, "scale": d**-0.5})
         if ratio and n_comp:
-            specs.append(
-                {
-                    "kind": "indexer",
-                    "b": batch,
-                    "s": seq,
-                    "T": n_comp,
-                    "H": config.index_n_heads,
-                    "D": config.index_head_dim,
-                    "ratio": ratio,
-                }
-            )
+            specs.append({"kind": "indexer", "b": batch, "s": seq, "T": n_comp, "H": config.index_n_heads,
+                          "D": config.index_head_dim, "ratio": ratio})
     return specs

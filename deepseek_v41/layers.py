@@ -39,14 +39,10 @@ def make_rms_norm(dim: int, eps: float, backend: dict, dtype=None) -> nn.Module:
     return RMSNorm(dim, eps, backend["rms_norm"], dtype)
 
 
-def make_linear(
-    in_features: int, out_features: int, backend: dict, bias: bool = False, dtype=None
-) -> nn.Module:
+def make_linear(in_features: int, out_features: int, backend: dict, bias: bool = False, dtype=None) -> nn.Module:
     """``torch``: nn.Linear.  ``te``: Transformer Engine's Linear, whose parameter is also ``weight``."""
     if backend["linear"] == "te":
-        return te.Linear(
-            in_features, out_features, bias=bias, params_dtype=dtype or torch.get_default_dtype()
-        )
+        return te.Linear(in_features, out_features, bias=bias, params_dtype=dtype or torch.get_default_dtype())
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 

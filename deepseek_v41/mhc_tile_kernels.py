@@ -117,8 +117,7 @@ class _MixLogitsBf16x3(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, fn, r = ctx.saved_tensors[:3]
-        y = ctx.saved_tensors[3]
+        x, fn, r, y = ctx.saved_tensors
         k = x.shape[-1]
         g_y = grad * r  # [m, N]
         # d(y·r)/dx = g_y · fn + (Σ_n grad·y) · dr/dx, dr/dx = −r³ x / K

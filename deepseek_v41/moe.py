@@ -20,9 +20,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def weighted_swiglu(
-    gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float
-) -> torch.Tensor:
+def weighted_swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
     # gate, up [m, inter] (expert GEMM outputs), weights fp32 [m] -> [m, inter] in gate's dtype, math in fp32
     return (swiglu(gate.float(), up.float(), limit) * weights.unsqueeze(-1)).to(gate.dtype)
 
@@ -30,9 +28,7 @@ def weighted_swiglu(
 _weighted_swiglu_compiled = None
 
 
-def fused_weighted_swiglu(
-    gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float
-) -> torch.Tensor:
+def fused_weighted_swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
     """``weighted_swiglu`` as one compiled elementwise kernel on CUDA (forward and backward).
 
     Eager, the fp32 casts, clamps, SiLU and products are eight passes over [m, inter] fp32 tensors, about
@@ -80,9 +76,7 @@ class Router(nn.Module):
         elif self.score_func == "sigmoid":
             scores = logits.sigmoid()
         else:
-            raise ValueError(
-                f"unknown scoring_func {self.score_func!r}; use sqrtsoftplus, softmax or sigmoid"
-            )
+            raise ValueError(f"unknown scoring_func {self.score_func!r}; use sqrtsoftplus, softmax or sigmoid")
         bias = self.bias
         if image_mask is not None and hasattr(self, "bias_vl"):
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
@@ -174,10 +168,7 @@ class MoE(nn.Module):
         self.gate = Router(config, has_image_bias)
         self.experts = RoutedExperts(config, backend)
         self.shared_experts = Expert(
-            config.hidden_size,
-            config.moe_intermediate_size * config.n_shared_experts,
-            config.swiglu_limit,
-            backend,
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit, backend
         )
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:

@@ -53,9 +53,7 @@ def test_loss_is_shifted_cross_entropy(model):
     labels = ids.clone()
     labels[:, :10] = -100
     out = model(ids, labels=labels)
-    manual = F.cross_entropy(
-        out.logits[:, :-1].reshape(-1, 1024), labels[:, 1:].reshape(-1), ignore_index=-100
-    )
+    manual = F.cross_entropy(out.logits[:, :-1].reshape(-1, 1024), labels[:, 1:].reshape(-1), ignore_index=-100)
     torch.testing.assert_close(out.loss, manual)
     assert out.logits.dtype == torch.float32
 
@@ -83,13 +81,8 @@ def test_every_trainable_parameter_gets_a_gradient(v4_tokenizer):
         assert torch.isfinite(param.grad).all(), f"{name} has a non-finite gradient"
         assert param.grad.abs().sum() > 0, f"{name} got an all-zero gradient"
     # The window-KV path and the compressors reach the loss only through FP8/FP4 quantize-dequantize.
-    for name in (
-        "layers.0.attn.wkv.weight",
-        "layers.0.attn.kv_norm.weight",
-        "layers.2.attn.compressor.wkv.weight",
-        "layers.2.attn.compressor.wgate.weight",
-        "layers.5.attn.compressor.wkv.weight",
-    ):
+    for name in ("layers.0.attn.wkv.weight", "layers.0.attn.kv_norm.weight", "layers.2.attn.compressor.wkv.weight",
+                 "layers.2.attn.compressor.wgate.weight", "layers.5.attn.compressor.wkv.weight"):
         assert model.get_parameter(name).grad.abs().sum() > 0, name
 
 
@@ -102,9 +95,7 @@ def test_engram_gradients_reach_only_looked_up_rows(v4_tokenizer):
         rows = engram.hash(ids, None)  # [b, s, cols]
         used, predicting = (torch.zeros(engram.embed.num_embeddings, dtype=torch.bool) for _ in range(2))
         used[rows.flatten()] = True
-        predicting[rows[:, :-1].flatten()] = (
-            True  # the last position predicts nothing: its rows get no gradient
-        )
+        predicting[rows[:, :-1].flatten()] = True  # the last position predicts nothing: its rows get no gradient
         touched = engram.embed.weight.grad.abs().sum(-1) > 0
         assert not (touched & ~used).any(), f"layer {layer}: rows that were not looked up got gradient"
         assert not (predicting & ~touched).any(), f"layer {layer}: looked-up rows got no gradient"
@@ -117,9 +108,7 @@ def test_dtype_contract(v4_tokenizer):
     assert "head.weight" in fp32 and "layers.3.attn.attn_sink" in fp32 and "layers.0.ffn.gate.bias" in fp32
     assert {"layers.0.hc_attn_fn", "layers.0.hc_ffn_base", "layers.8.hc_ffn_scale"} <= fp32
     assert {"layers.2.attn.compressor.wkv.weight", "layers.2.attn.compressor.wgate.weight"} <= fp32
-    assert model.get_parameter("layers.5.attn.compressor.wkv.weight").dtype == torch.bfloat16, (
-        "ratio 1 stays bf16"
-    )
+    assert model.get_parameter("layers.5.attn.compressor.wkv.weight").dtype == torch.bfloat16, "ratio 1 stays bf16"
     assert model.get_parameter("layers.0.attn.wq_a.weight").dtype == torch.bfloat16
     assert model.get_parameter("embed.weight").dtype == torch.bfloat16
     with torch.no_grad():
@@ -136,9 +125,8 @@ def test_grouped_experts_equal_the_loop(v4_tokenizer):
     out_g.loss.backward()
     out_l.loss.backward()
     for name in ("layers.3.ffn.experts.w1", "layers.3.ffn.experts.w2", "layers.3.ffn.experts.w3"):
-        torch.testing.assert_close(
-            grouped.get_parameter(name).grad, loop.get_parameter(name).grad, rtol=1e-4, atol=1e-6
-        )
+        torch.testing.assert_close(grouped.get_parameter(name).grad, loop.get_parameter(name).grad,
+                                   rtol=1e-4, atol=1e-6)
 
 
 def test_grouped_experts_name_misaligned_sizes_and_handle_no_tokens():
@@ -164,11 +152,7 @@ def test_grouped_experts_name_misaligned_sizes_and_handle_no_tokens():
 
 def test_stacked_experts_have_released_shapes(model):
     experts = model.layers[0].ffn.experts
-    assert (
-        experts.w1.shape == (8, 64, 32)
-        and experts.w3.shape == (8, 64, 32)
-        and experts.w2.shape == (8, 32, 64)
-    )
+    assert experts.w1.shape == (8, 64, 32) and experts.w3.shape == (8, 64, 32) and experts.w2.shape == (8, 32, 64)
 
 
 def test_full_config_builds_on_meta_with_552b_backbone(v4_tokenizer):
@@ -277,6 +261,7 @@ def test_bf16x3_skips_the_zero_low_half_of_a_bf16_operand(monkeypatch):
             assert rel_err(out, layers.mm_bf16x3(a.float(), bb)) < 2e-6
 
 
+
 def test_mhc_mix_logits_on_bf16_tensor_cores_match_the_fp32_reference():
     # the tile-kernels mHC backend's mix GEMM (bf16 streams, fp32 fn) against mhc.hc_mix_logits, with gradients
     from deepseek_v41.mhc import hc_mix_logits
@@ -295,6 +280,7 @@ def test_mhc_mix_logits_on_bf16_tensor_cores_match_the_fp32_reference():
     assert rel_err(fn_new.grad, fn_ref.grad) < 2e-5
     # dx is summed in fp32 and rounded once, like the reference (measured 1.3e-4: a few bf16 ties)
     assert x_new.grad.dtype == torch.bfloat16 and rel_err(x_new.grad, x_ref.grad) < 1e-3
+
 
 
 def test_bf16x3_head_in_a_bf16_model(v4_tokenizer):
