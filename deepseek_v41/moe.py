@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .layers import make_linear
+from .layers import compiled_on_cuda, make_linear
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -25,21 +25,9 @@ def weighted_swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor,
     return (swiglu(gate.float(), up.float(), limit) * weights.unsqueeze(-1)).to(gate.dtype)
 
 
-_weighted_swiglu_compiled = None
-
-
-def fused_weighted_swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
-    """``weighted_swiglu`` as one compiled elementwise kernel on CUDA (forward and backward).
-
-    Eager, the fp32 casts, clamps, SiLU and products are eight passes over [m, inter] fp32 tensors, about
-    a quarter of the grouped experts' forward time at V4.1 sizes; fused, one pass over the bf16 inputs.
-    """
-    global _weighted_swiglu_compiled
-    if not gate.is_cuda:
-        return weighted_swiglu(gate, up, weights, limit)
-    if _weighted_swiglu_compiled is None:
-        _weighted_swiglu_compiled = torch.compile(weighted_swiglu, dynamic=True, fullgraph=True)
-    return _weighted_swiglu_compiled(gate, up, weights, limit)
+# CUDA: one compiled elementwise kernel, forward and backward.  Eager, the fp32 casts, clamps, SiLU and products
+# are eight passes over [m, inter] fp32 tensors, about a quarter of the grouped experts' forward time at V4.1 sizes
+fused_weighted_swiglu = compiled_on_cuda(weighted_swiglu, dynamic=True)
 
 
 def combine_top_k(y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -207,6 +207,32 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_the_complex_product_with_gradients(dtype):
+    # apply_rope (its own backward: the inverse rotation) against autograd through the complex product
+    from deepseek_v41.rope import apply_rope, rope_cis, rope_frequencies
+
+    def reference(x, cis, inverse):
+        rd = 2 * cis.shape[-1]
+        c = (cis.conj() if inverse else cis).view([1, cis.shape[0]] + [1] * (x.dim() - 3) + [cis.shape[-1]])
+        tail = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)).contiguous())
+        return torch.cat([x[..., :-rd], torch.view_as_real(tail * c).flatten(-2).to(x.dtype)], dim=-1)
+
+    g = torch.Generator().manual_seed(4)
+    cis = rope_cis(torch.arange(7) * 3, rope_frequencies(16, 10000.0, None))
+    for shape in ((2, 7, 3, 48), (2, 7, 48)):
+        for inverse in (False, True):
+            x = torch.randn(shape, generator=g).to(dtype)
+            dy = torch.randn(shape, generator=g).to(dtype)
+            x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y1, y2 = apply_rope(x1, cis, inverse), reference(x2, cis, inverse)
+            y1.backward(dy)
+            y2.backward(dy)
+            torch.testing.assert_close(y1, y2, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-6)
+            assert not torch.equal(y1[..., -16:], x[..., -16:]) and torch.equal(y1[..., :-16], x[..., :-16])
+
+
 def test_bf16x3_matmul_is_fp32_accurate_and_plain_bf16_is_not():
     from deepseek_v41.layers import mm_bf16x3
 
@@ -260,6 +286,38 @@ def test_bf16x3_skips_the_zero_low_half_of_a_bf16_operand(monkeypatch):
         if a.dtype == torch.bfloat16:  # the same sum as with the widened operand, in another order
             assert rel_err(out, layers.mm_bf16x3(a.float(), bb)) < 2e-6
 
+
+
+def test_bf16x3_head_products_and_gradients(monkeypatch):
+    # the head's own layout of the bf16x3 products: forward and grad_w take 2 with a bf16 input, 3 with an
+    # fp32 one; grad_x always 3.  All three stay fp32-accurate against float64.
+    from deepseek_v41 import layers
+
+    work = []
+    real = layers._mm_bf16_fp32_out
+    monkeypatch.setattr(
+        layers, "_mm_bf16_fp32_out", lambda a, b: work.append(a.shape[0] * a.shape[1] * b.shape[1]) or real(a, b)
+    )
+    g = torch.Generator().manual_seed(3)
+    n, d, v = 24, 64, 320
+    weight = torch.randn(v, d, generator=g) * 0.05
+    dy = torch.randn(n, v, generator=g)
+    for dtype, products in ((torch.bfloat16, (2, 3, 2)), (torch.float32, (3, 3, 3))):
+        x = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+        w = weight.clone().requires_grad_()
+        work.clear()
+        y = layers.head_bf16x3(x, w)
+        assert sum(work) == products[0] * n * d * v
+        work.clear()
+        y.backward(dy)
+        assert sum(work) == (products[1] + products[2]) * n * d * v
+        x64, w64, dy64 = x.detach().double(), weight.double(), dy.double()
+        assert y.dtype == torch.float32 and rel_err(y, x64 @ w64.t()) < 2e-5
+        assert rel_err(w.grad, dy64.t() @ x64) < 2e-5
+        assert x.grad.dtype == dtype
+        # grad_x is rounded to x's dtype: bf16 rounding (~2e-3) is all the error there is
+        assert rel_err(x.grad, dy64 @ w64) < (4e-3 if dtype == torch.bfloat16 else 2e-5)
+        assert rel_err(x.grad, (dy64 @ w64).to(dtype)) < 1e-3
 
 
 def test_mhc_mix_logits_on_bf16_tensor_cores_match_the_fp32_reference():

@@ -10,7 +10,12 @@ fused optimizer update and tile-kernels' fused mHC, Engram gate and KV quantizat
 (NeMo's H100/H200 dense bf16 peak) and against the H200's measured ~790, peak memory, forward / backward /
 optimizer milliseconds and the loss of the first forward (which every backend must reproduce).
 
-    python examples/benchmarks/train_step.py [--seq 4096] [--steps 5] [--backends torch gpu gpu_fast] [--profile 40]
+    python examples/benchmarks/train_step.py [--seq 4096] [--batch 1] [--grad-accum 1] [--steps 5]
+        [--backends torch gpu gpu_fast] [--profile 40]
+
+A step is ``--grad-accum`` micro-batches of ``--batch`` × ``--seq`` tokens (forward and backward each) and one
+optimizer update; the reference recipe's global batch of 64 sequences at local batch 1 is 64 micro-batches
+per update on one GPU, so the update's fixed cost (~35 ms here, memory-bound) is shared by many of them.
 
 Model FLOPs per step = 3 × forward FLOPs (forward + backward), forward FLOPs per token =
 2 × (dense matmul parameters touched per token: attention projections, router, 6 routed + 1 shared experts,
@@ -96,7 +101,7 @@ def print_profile(model, optimizer, ids, rows: int, label: str) -> None:
 
 
 def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps: int, tokenizer,
-        profile_rows: int = 0) -> dict:
+        profile_rows: int = 0, batch: int = 1, accum: int = 1) -> dict:
     torch.manual_seed(0)
     with torch.device("cuda"), default_dtype(torch.bfloat16):
         model = DeepseekV41ForCausalLM(proxy_config(backend), tokenizer=tokenizer)
@@ -104,39 +109,43 @@ def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps
     if backend["attn"] == "tilelang":
         from deepseek_v41.kernels_tilelang import tilelang_shapes_for, warmup_tilelang_kernels
 
-        warmup_tilelang_kernels(tilelang_shapes_for(model.config.text_config, 1, seq), torch.device("cuda"))
+        warmup_tilelang_kernels(tilelang_shapes_for(model.config.text_config, batch, seq), torch.device("cuda"))
     optimizer = RemainderAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
                                exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,  # the recipe's
                                fused=fused_optimizer)
-    ids = torch.randint(3, 129000, (1, seq), device="cuda")
+    ids = torch.randint(3, 129000, (accum, batch, seq), device="cuda")
     times, phases = [], []
     torch.cuda.reset_peak_memory_stats()
     for step in range(steps + 2):  # two warm-up steps
         torch.cuda.synchronize()
         start = time.perf_counter()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        events[0].record()
-        loss = model(ids, labels=ids).loss
-        if step == 0:
-            first_loss = loss.item()  # before any update: every backend must agree here (to bf16 rounding)
-        events[1].record()
-        loss.backward()
-        events[2].record()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(2 * accum + 2)]  # start, (fwd, bwd) each, opt
+        marks[0].record()
+        for micro in range(accum):
+            loss = model(ids[micro], labels=ids[micro]).loss
+            if step == 0 and micro == 0:
+                first_loss = loss.item()  # before any update: every backend must agree here (to bf16 rounding)
+            marks[2 * micro + 1].record()
+            (loss / accum).backward()
+            marks[2 * micro + 2].record()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        events[3].record()
+        marks[-1].record()
         torch.cuda.synchronize()
         if step >= 2:
             times.append(time.perf_counter() - start)
-            phases.append([events[i].elapsed_time(events[i + 1]) for i in range(3)])
+            gaps = [marks[i].elapsed_time(marks[i + 1]) for i in range(len(marks) - 1)]
+            phases.append([sum(gaps[0:-1:2]), sum(gaps[1:-1:2]), gaps[-1]])  # forward, backward (all micro), update
     step_s = sorted(times)[len(times) // 2]
     phase_ms = [sorted(p[i] for p in phases)[len(phases) // 2] for i in range(3)]
     if profile_rows:
-        print_profile(model, optimizer, ids, profile_rows, backend_name)
-    flops = 3 * forward_flops_per_token(model, seq) * seq
+        print_profile(model, optimizer, ids[0], profile_rows, backend_name)
+    tokens = accum * batch * seq
+    flops = 3 * forward_flops_per_token(model, seq) * tokens
     result = {
-        "backend": backend_name, **backend, "fused_optimizer": fused_optimizer, "seq": seq, "step_s": round(step_s, 4),
-        "tokens_per_s": round(seq / step_s, 1), "model_tflops": round(flops / step_s / 1e12, 1),
+        "backend": backend_name, **backend, "fused_optimizer": fused_optimizer, "seq": seq, "batch": batch,
+        "grad_accum": accum, "step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens / step_s, 1), "model_tflops": round(flops / step_s / 1e12, 1),
         "mfu_vs_989": round(flops / step_s / NEMO_PEAK, 4), "mfu_vs_790": round(flops / step_s / H200_MEASURED, 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "first_loss": round(first_loss, 4),
         "loss": round(loss.item(), 4),
@@ -152,7 +161,8 @@ COLUMNS = [  # (header, width, value of a result row)
     ("backend", "<8", lambda r: r["backend"]), ("attn", "<9", lambda r: r["attn"]),
     ("head", "<6", lambda r: r.get("head", "fp32")),
     ("tile-kernels", "<17", lambda r: ",".join(k for k in ("mhc", "engram", "quant") if r.get(k) == "tile_kernels") or "-"),
-    ("seq", ">6", lambda r: r["seq"]), ("step s", ">8.3f", lambda r: r["step_s"]),
+    ("seq", ">6", lambda r: r["seq"]), ("batch", ">5", lambda r: r["batch"]),
+    ("accum", ">5", lambda r: r["grad_accum"]), ("step s", ">8.3f", lambda r: r["step_s"]),
     ("tok/s", ">9.0f", lambda r: r["tokens_per_s"]), ("TFLOP/s", ">8.1f", lambda r: r["model_tflops"]),
     ("MFU/989", ">8.3f", lambda r: r["mfu_vs_989"]), ("MFU/790", ">8.3f", lambda r: r["mfu_vs_790"]),
     ("peak GiB", ">9.2f", lambda r: r["peak_mem_gib"]), ("fwd ms", ">7.1f", lambda r: r["forward_ms"]),
@@ -170,6 +180,8 @@ def print_table(rows: list) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer update")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--backends", nargs="+", default=["torch", "gpu", "gpu_fast"],
                         choices=["torch", "gpu", "gpu_fast"])
@@ -202,7 +214,7 @@ def main():
         seq = args.seq
         while True:  # the gather-based torch reference may not fit at full length: halve it and say so
             try:
-                rows.append(run(name, *choices[name], seq, args.steps, tokenizer, args.profile))
+                rows.append(run(name, *choices[name], seq, args.steps, tokenizer, args.profile, args.batch, args.grad_accum))
                 break
             except torch.OutOfMemoryError:
                 if seq // 2 < 256:

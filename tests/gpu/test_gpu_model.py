@@ -88,3 +88,25 @@ def test_bf16x3_head_matmul_on_tensor_cores():
     plain = ((a.bfloat16() @ b.bfloat16()).double() - exact).norm() / exact.norm()
     print(f"bf16x3 rel err {err:.2e}, plain bf16 {plain.item():.2e}")
     assert err < 5e-5 and plain.item() > 1e-3  # measured 2.6e-5 and 2.9e-3 (K = 5120)
+
+
+def test_bf16x3_head_forward_and_gradients_on_tensor_cores():
+    # the head's layout (fused hi/lo split on the GPU, bf16 input): logits and grad_w fp32-accurate, grad_x as
+    # good as its bf16 rounding
+    from deepseek_v41.layers import head_bf16x3
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(512, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(8192, 2048, device="cuda", generator=g) * 0.02).requires_grad_()
+    dy = torch.randn(512, 8192, device="cuda", generator=g)
+    y = head_bf16x3(x, w)
+    y.backward(dy)
+    x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double()
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    errs = rel(y, x64 @ w64.t()), rel(w.grad, dy64.t() @ x64), rel(x.grad, (dy64 @ w64).bfloat16().double())
+    print(f"bf16x3 head rel err: logits {errs[0]:.2e}, grad_w {errs[1]:.2e}, grad_x vs rounded exact {errs[2]:.2e}")
+    assert y.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    assert errs[0] < 5e-5 and errs[1] < 5e-5 and errs[2] < 1e-3  # fp32 accumulation on Hopper: see above
