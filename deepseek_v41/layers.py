@@ -50,13 +50,15 @@ def make_linear(in_features: int, out_features: int, backend: dict, bias: bool =
 
 def compiled_on_cuda(fn, **compile_options):
     """``fn`` through ``torch.compile(fullgraph=True)`` when its first argument is a CUDA tensor (compiled on
-    first use), eager otherwise: elementwise chains that are one fused kernel on the GPU, plain ops on CPU."""
+    first use), eager otherwise: elementwise chains that are one fused kernel on the GPU, plain ops on CPU.
+    Inside a region that torch.compile is already tracing, ``fn`` itself is traced into that graph (no
+    nested compile object is built while tracing)."""
     compiled = None
 
     @functools.wraps(fn)
     def run(x, *args):
         nonlocal compiled
-        if not x.is_cuda:
+        if not x.is_cuda or torch.compiler.is_compiling():
             return fn(x, *args)
         if compiled is None:
             compiled = torch.compile(fn, fullgraph=True, **compile_options)

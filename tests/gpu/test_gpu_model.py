@@ -110,3 +110,14 @@ def test_bf16x3_head_forward_and_gradients_on_tensor_cores():
     print(f"bf16x3 head rel err: logits {errs[0]:.2e}, grad_w {errs[1]:.2e}, grad_x vs rounded exact {errs[2]:.2e}")
     assert y.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
     assert errs[0] < 5e-5 and errs[1] < 5e-5 and errs[2] < 1e-3  # fp32 accumulation on Hopper: see above
+
+
+def test_fused_functions_trace_into_an_outer_compile():
+    # compiled_on_cuda functions called from a torch.compile'd region (fullgraph) become part of that graph
+    from deepseek_v41.moe import fused_weighted_swiglu, weighted_swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gate, up = (torch.randn(64, 256, device="cuda", generator=g).bfloat16() for _ in range(2))
+    weights = torch.rand(64, device="cuda", generator=g)
+    outer = torch.compile(lambda a, b, w: fused_weighted_swiglu(a, b, w, 7.0) * 2, fullgraph=True)
+    torch.testing.assert_close(outer(gate, up, weights), weighted_swiglu(gate, up, weights, 7.0) * 2)
