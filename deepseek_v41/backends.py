@@ -31,7 +31,7 @@ _REGISTRY = {
     # "local": every expert on this process. "torch" / "hybridep": expert parallelism, installed by the
     # training code (deepseek_v41.training) after the process group exists.
     "dispatcher": {"local": ((), False), "torch": ((), False), "hybridep": (("deep_ep",), True)},
-    # the fp32 head GEMM: "fp32" IEEE, or "bf16x3" (fp32 emulated on bf16 tensor cores; layers.mm_bf16x3)
+    # the fp32 head GEMM: "fp32" IEEE, or "bf16x3" (fp32 emulated on bf16 tensor cores; layers.head_bf16x3)
     "head": {"fp32": ((), False), "bf16x3": ((), False)},
     # mHC mixing: eager fp32 ops, or tile-kernels' fused kernels (bf16 streams; mhc_tile_kernels.py)
     "mhc": {"torch": ((), False), "tile_kernels": (("tile_kernels",), True)},

@@ -116,21 +116,12 @@ def mm_bf16x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         b_parts.append(b_hi)
     if len(a_parts) == 1:
         return _mm_bf16_fp32_out(a_hi, b_hi)
-    return _mm_bf16_fp32_out(_cat_2d(a_parts, dim=1), _cat_2d(b_parts, dim=0))
-
-
-def _cat_2d(parts: list, dim: int) -> torch.Tensor:
-    # torch.cat of 2-D tensors; a transposed (column-major) operand such as Wᵀ is joined in its own memory
-    # order and transposed back (a strided cat of the 129280 x 5120 head weight is ~10x slower)
-    if not parts[0].is_contiguous() and parts[0].t().is_contiguous():
-        return torch.cat([p.t() for p in parts], dim=1 - dim).t()
-    return torch.cat(parts, dim=dim)
+    return _mm_bf16_fp32_out(torch.cat(a_parts, dim=1), torch.cat(b_parts, dim=0))
 
 
 def _hi_lo_cat(x: torch.Tensor, dim: int) -> torch.Tensor:
     # fp32 -> bf16 cat([hi, lo], dim), the two halves of _split_bf16 in one buffer
-    hi = x.to(torch.bfloat16)
-    return torch.cat([hi, (x - hi.float()).to(torch.bfloat16)], dim=dim)
+    return torch.cat(_split_bf16(x), dim=dim)
 
 
 # one pass over the fp32 tensor on the GPU (eager, the split and the cat are five passes over the 2.6 GB head
@@ -184,7 +175,7 @@ def head_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def head_bf16x3(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``bf16x3`` head backend: the fp32 GEMM emulated on bf16 tensor cores (``mm_bf16x3``), fp32 logits.
+    """``bf16x3`` head backend: the fp32 GEMM emulated on bf16 tensor cores (``_LinearBf16x3``), fp32 logits.
 
     x in bf16 (bf16 training) is used as is, being exact; anything else in fp32.  The weight is fp32."""
     lead = x.shape[:-1]

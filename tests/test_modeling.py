@@ -274,7 +274,7 @@ def test_bf16x3_skips_the_zero_low_half_of_a_bf16_operand(monkeypatch):
     cases = [  # (a, b, products): an operand given in bf16 has no low half
         (a16, b, 2),  # narrow output: b's halves side by side
         (b.t(), a16.t(), 2),  # the same on the left (as in grad_w)
-        (a16, wide, 2),  # wide output: along the inner dimension (the head)
+        (a16, wide, 2),  # wide output: along the inner dimension
         (a16.float(), b, 3),
     ]
     for a, bb, products in cases:
