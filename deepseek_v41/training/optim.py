@@ -23,12 +23,13 @@ Transformer Engine's ``FusedAdam`` (``store_param_remainders``) is used instead 
 GPU is present (``optimizer.impl: auto``).
 """
 
-import functools
 import math
 import sys
 
 import torch
 import torch.distributed as dist
+
+from deepseek_v41.layers import compiled_on_cuda
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -90,11 +91,9 @@ def fused_adamw_(param, remainder, grad, exp_avg, exp_avg_sq, scalars) -> None:
     exp_avg_sq.copy_(new_avg_sq)
 
 
-@functools.cache
-def _compiled_fused_adamw_():
-    # Compiled lazily, once per process.  dynamic=True: one graph for every numel (the caller flattens to 1-D so
-    # the rank never varies); each dtype combination (remainder present or None included) is its own graph.
-    return torch.compile(fused_adamw_, dynamic=True, fullgraph=True)
+# Compiled on first CUDA use, eager elsewhere.  dynamic=True: one graph for every numel (the caller flattens to
+# 1-D so the rank never varies); each dtype combination (remainder present or None included) is its own graph.
+_fused_adamw_on_device_ = compiled_on_cuda(fused_adamw_, dynamic=True)
 
 
 class RemainderAdamW(torch.optim.Optimizer):
@@ -159,8 +158,8 @@ class RemainderAdamW(torch.optim.Optimizer):
                     device_scalars[key] = torch.tensor(scalars, dtype=torch.float32)
                     if local.device.type == "cuda":  # pinned + non_blocking: a pageable copy would sync the GPU
                         device_scalars[key] = device_scalars[key].pin_memory().to(local.device, non_blocking=True)
-                update = _compiled_fused_adamw_() if local.device.type == "cuda" else fused_adamw_
-                update(*[t if t is None else t.detach().view(-1) for t in tensors], device_scalars[key])
+                flat = [t if t is None else t.detach().view(-1) for t in tensors]
+                _fused_adamw_on_device_(*flat, device_scalars[key])
 
     @staticmethod
     def _per_op_update(local, remainder, grad, state, scalars):
