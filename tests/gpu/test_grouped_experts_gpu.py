@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gpu_metrics import rel_err
 
 from deepseek_v41.moe import RoutedExperts
 
@@ -16,10 +17,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="grouped experts GPU test needs a CUDA GPU"),
     pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm"),
 ]
-
-
-def rel_err(x, ref):
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def routed_experts(backend, E, D, I, gen):

@@ -10,6 +10,7 @@ import importlib.util
 
 import pytest
 import torch
+from gpu_metrics import rel_err
 
 from deepseek_v41 import mhc
 from deepseek_v41.engram import engram_gate, engram_gate_tile_kernels
@@ -22,10 +23,6 @@ pytestmark = [
 ]
 
 HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
-
-
-def rel_err(x, ref):
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def leaves(*tensors):
