@@ -29,7 +29,14 @@ from pathlib import Path
 
 import torch
 
-from .release_format import block_pair, ceil_div, decode_fp4_packed, decode_fp8_row_scaled, decode_fp8_rows, take_rows
+from .release_format import (
+    block_pair,
+    ceil_div,
+    decode_fp4_packed,
+    decode_fp8_row_scaled,
+    decode_fp8_rows,
+    take_rows,
+)
 
 logger = logging.getLogger(__name__)
 

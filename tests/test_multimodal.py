@@ -91,9 +91,8 @@ def test_mismatched_patches_are_rejected(model, processor):
 
 
 def test_released_snapshot_processor_and_model_end_to_end():
-    from transformers import AutoModelForCausalLM, AutoProcessor
-
     from conftest import golden_dir
+    from transformers import AutoModelForCausalLM, AutoProcessor
 
     snapshot = golden_dir("v41_tiny_vision") / "snapshot"
     processor = AutoProcessor.from_pretrained(snapshot)  # no processor_config.json: built from config + tokenizer
