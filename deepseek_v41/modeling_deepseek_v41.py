@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -23,6 +22,7 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 from .attention import Attention, CSA2State
 from .backends import check_available, resolve_backend
 from .configuration_deepseek_v41 import DeepseekV41Config
+from .cross_entropy import IGNORE_INDEX, check_targets, cross_entropy_sum
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
 from .layers import RMSNorm, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
@@ -331,6 +331,8 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
                 f"labels have shape {tuple(labels.shape)} but input_ids have "
                 f"{None if input_ids is None else tuple(input_ids.shape)}: give one label per position (-100 = ignore)"
             )
+        if labels is not None:
+            check_targets(labels, self.config.text_config.vocab_size)  # here, while the GPU queue is short
         hidden = super().forward(input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
         logits = self.head_matmul(hidden, self.head.weight)  # fp32 [b, s, vocab]
         loss = None
@@ -342,10 +344,12 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask=None) -> torch.Tensor:
     # logits fp32 [b, s, vocab], labels [b, s]: position t predicts labels[t + 1]
     if attention_mask is not None:
-        labels = labels.masked_fill(attention_mask == 0, -100)
-    targets = labels[:, 1:].reshape(-1)
-    total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets, ignore_index=-100, reduction="sum")
-    return total / (targets != -100).sum().clamp(min=1)
+        labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    # the last position has no next token: its target is -100, so the logits are used whole (a slice would
+    # copy them, and its backward would zero-fill and copy a full-size gradient)
+    targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1).reshape(-1)
+    total = cross_entropy_sum(logits.reshape(-1, logits.shape[-1]), targets)
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, past_key_values, inputs_embeds, extra):

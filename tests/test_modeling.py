@@ -373,3 +373,11 @@ def test_activation_checkpointing_gives_identical_gradients(v4_tokenizer):
             assert torch.equal(a.grad, b.grad), name
     with pytest.raises(ValueError, match="non-reentrant"):
         checkpointed.gradient_checkpointing_enable({"use_reentrant": True})
+
+
+def test_labels_outside_the_vocabulary_are_rejected_before_the_forward(model):
+    ids = ids_batch(s=16)
+    labels = ids.clone()
+    labels[0, 3] = 1024  # the tiny vocabulary is 1024
+    with pytest.raises(ValueError, match=r"labels must be token ids in \[0, 1024\)"):
+        model(ids, labels=labels)
