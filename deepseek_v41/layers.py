@@ -130,6 +130,19 @@ def _hi_lo_cat(x: torch.Tensor, dim: int) -> torch.Tensor:
 _hi_lo_cat_fused = compiled_on_cuda(_hi_lo_cat, dynamic=True, options={"emulate_precision_casts": True})
 
 
+def _hi_lo_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # fp32 x [n, V] -> out bf16 [2n, V] = [hi; lo], both halves written by one loop over x: a dim-0 cat reads
+    # x once per half, and for the 2 GB logits gradient the second read misses L2
+    n = x.shape[0]
+    hi, lo = _split_bf16(x)
+    out[:n].copy_(hi)
+    out[n:].copy_(lo)
+    return out
+
+
+_hi_lo_rows_into_fused = compiled_on_cuda(_hi_lo_rows_into, dynamic=True, options={"emulate_precision_casts": True})
+
+
 class _LinearBf16x3(torch.autograd.Function):
     """y [n, V] = x [n, D] · W [V, D]ᵀ in fp32 on bf16 tensor cores, with both gradients (the products of
     ``mm_bf16x3``, laid out for the head's wide V so that no operand is copied besides the split).
@@ -155,7 +168,8 @@ class _LinearBf16x3(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         n, d = x.shape
-        g2 = _hi_lo_cat_fused(grad.float().contiguous(), 0)  # [2n, V]: g_hi rows, then g_lo rows
+        g = grad.float().contiguous()
+        g2 = _hi_lo_rows_into_fused(g, g.new_empty((2 * n, g.shape[1]), dtype=torch.bfloat16))  # [g_hi; g_lo]
         x_hi, x_lo = _split_bf16(x)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
