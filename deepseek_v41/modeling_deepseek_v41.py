@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -22,11 +23,12 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 from .attention import Attention, CSA2State
 from .backends import check_available, resolve_backend
 from .configuration_deepseek_v41 import DeepseekV41Config
-from .cross_entropy import IGNORE_INDEX, check_targets, cross_entropy_sum
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
 from .layers import RMSNorm, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
 from .moe import MoE, RoutedExperts, Router
+
+IGNORE_INDEX = -100  # a label that counts for nothing (padding, prompt tokens)
 
 # What an exported folder's config.json maps the Auto classes to (the flat remote-code files).
 AUTO_MAP = {
@@ -348,8 +350,17 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask=No
     # the last position has no next token: its target is -100, so the logits are used whole (a slice would
     # copy them, and its backward would zero-fill and copy a full-size gradient)
     targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1).reshape(-1)
-    total = cross_entropy_sum(logits.reshape(-1, logits.shape[-1]), targets)
+    total = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def check_targets(labels: torch.Tensor, vocab: int) -> None:
+    """Raise ``ValueError`` naming the bad values unless every label is a token id in [0, vocab) or -100."""
+    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))
+    if bad.any():
+        raise ValueError(
+            f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX} (ignored); got {labels[bad][:5].tolist()}"
+        )
 
 
 def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, past_key_values, inputs_embeds, extra):

@@ -1,14 +1,12 @@
 """The compiled (``layers.compiled_on_cuda``) elementwise functions on the GPU, against exact references.
 
-The loss's log-sum-exp and softmax − one-hot, mHC's mix-logits ``dx`` and the head's hi/lo split of the logits
-gradient.  A result rounded to bf16 may differ from the correctly rounded exact value by one bf16 step (2^-8
+mHC's mix-logits ``dx`` and the head's hi/lo split of the logits gradient.  A result rounded to bf16 may differ from the correctly rounded exact value by one bf16 step (2^-8
 relative) where its fp32 value sits on a rounding boundary; the head split must be bit-exact against the eager
 split (its ``lo`` is what the fp32 emulation adds).
 """
 
 import pytest
 import torch
-from gpu_metrics import rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,25 +19,6 @@ def assert_within_one_bf16_step(x, ref):
     step = ref.abs().clamp(min=1e-30) * 2.0**-7  # one bf16 ulp is 2^-7 of the value at most
     assert ((x - ref).abs() <= step).all(), f"max diff {(x - ref).abs().max().item():.3e}"
     assert (x != ref).float().mean() < 1e-3  # and only where the fp32 value is a boundary case
-
-
-def test_cross_entropy_compiled_matches_torch_at_the_vocabulary_size():
-    from torch.nn import functional as F
-
-    from deepseek_v41.cross_entropy import cross_entropy_sum
-
-    g = torch.Generator(device="cuda").manual_seed(1)
-    logits = (torch.randn(512, 129280, device="cuda", generator=g) * 3).requires_grad_()
-    targets = torch.randint(0, 129280, (512,), device="cuda", generator=g)
-    targets[::7] = -100
-    loss = cross_entropy_sum(logits, targets)
-    loss.backward()
-    ref_logits = logits.detach().double().requires_grad_()
-    ref = F.cross_entropy(ref_logits, targets, ignore_index=-100, reduction="sum")
-    ref.backward()
-    print(f"cross-entropy rel err: loss {rel_err(loss, ref):.2e}, grad {rel_err(logits.grad, ref_logits.grad):.2e}")
-    assert rel_err(loss, ref) < 1e-6 and rel_err(logits.grad, ref_logits.grad) < 1e-6
-    assert logits.grad[::7].abs().max() == 0
 
 
 def test_mix_logits_dx_compiled_is_the_rounded_exact_value():
