@@ -66,7 +66,8 @@ class _RotateTail(torch.autograd.Function):
 
 
 def _conjugate(cos_sin: torch.Tensor) -> torch.Tensor:
-    return cos_sin * cos_sin.new_tensor([1.0, -1.0])
+    # [..., 2] (cos, sin) -> (cos, −sin), exact; built on the device (a host constant would make a CUDA call wait)
+    return torch.stack([cos_sin[..., 0], -cos_sin[..., 1]], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
