@@ -131,8 +131,9 @@ _hi_lo_cat_fused = compiled_on_cuda(_hi_lo_cat, dynamic=True, options={"emulate_
 
 
 def _hi_lo_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    # fp32 x [n, V] -> out bf16 [2n, V] = [hi; lo], both halves written by one loop over x: a dim-0 cat reads
-    # x once per half, and for the 2 GB logits gradient the second read misses L2
+    # fp32 x [n, V] -> out bf16 [2n, V] = [hi; lo], written into the given buffer.  For the logits gradient
+    # [4096, 129280] on the H200: 2.69 ms against 3.11 ms for the compiled dim-0 cat of the halves (both well
+    # below copy bandwidth; examples/benchmarks/elementwise.py)
     n = x.shape[0]
     hi, lo = _split_bf16(x)
     out[:n].copy_(hi)

@@ -334,7 +334,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
                 f"{None if input_ids is None else tuple(input_ids.shape)}: give one label per position (-100 = ignore)"
             )
         if labels is not None:
-            check_targets(labels, self.config.text_config.vocab_size)  # here, while the GPU queue is short
+            check_targets(labels, self.config.text_config.vocab_size)  # a host sync, like the attention-mask check
         hidden = super().forward(input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
         logits = self.head_matmul(hidden, self.head.weight)  # fp32 [b, s, vocab]
         loss = None
