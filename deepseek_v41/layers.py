@@ -125,7 +125,7 @@ def _hi_lo_cat(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 # one pass over the fp32 tensor on the GPU (eager, the split and the cat are five passes over the 2.6 GB head
-# weight or the 2.1 GB logits gradient: ~30 ms of a V4.1 proxy step)
+# weight); the head uses it along dim 1, for W2 = [W_hi | W_lo]
 # (emulate_precision_casts: Inductor would otherwise subtract the unrounded x instead of hi, and lo would be 0)
 _hi_lo_cat_fused = compiled_on_cuda(_hi_lo_cat, dynamic=True, options={"emulate_precision_casts": True})
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-IGNORE_INDEX = -100
+from deepseek_v41.modeling_deepseek_v41 import IGNORE_INDEX  # the loss's ignored label
 
 
 def read_hellaswag(path_or_dataset: str, split: str, limit=None) -> list:
