@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_torchrun(script: Path, *args, timeout=180, nproc=2) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(script), *map(str, args)]
     result = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -184,7 +185,7 @@ def _full_gradients(trainer) -> dict:
     return grads
 
 
-def _model_case(checkpoint: str, out_dir: str):
+def _model_case(checkpoint: str, out_dir: str, backend: str):
     import torch
 
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
@@ -198,6 +199,7 @@ def _model_case(checkpoint: str, out_dir: str):
             "model.config.pretrained_model_name_or_path": checkpoint,
             "model.config.dtype": "float32",
             "fsdp.param_dtype": "float32",
+            "distributed.backend": backend,
             "distributed.ep_size": ep,
             "model.config.backend": {"dispatcher": "torch" if ep > 1 else "local"},
             "step_scheduler.global_batch_size": 4,
@@ -208,6 +210,7 @@ def _model_case(checkpoint: str, out_dir: str):
         grads = _full_gradients(trainer)
         if reference is None:  # one process, the whole global batch (both ranks' micro-batches)
             reference = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, tokenizer=trainer.tokenizer)
+            reference.to(trainer.device)
             reference.train()
             total, count = 0.0, 0
             for rank in range(trainer.world):
@@ -231,18 +234,23 @@ def _model_case(checkpoint: str, out_dir: str):
 
 
 if __name__ == "__main__":
+    import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    case = sys.argv[1]
+    if case == "model_nccl":  # the same check on GPUs: one per rank, NCCL collectives
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    else:
+        dist.init_process_group("gloo")
     try:
-        case = sys.argv[1]
         if case == "ep":
             _ep_case("random")
             _ep_case("all_to_rank0")
         elif case == "engram":
             _engram_case()
-        elif case == "model":
-            _model_case(sys.argv[2], sys.argv[3])
+        elif case in ("model", "model_nccl"):
+            _model_case(sys.argv[2], sys.argv[3], "nccl" if case == "model_nccl" else "gloo")
         else:
             raise SystemExit(f"unknown case {case}")
         dist.barrier()  # both ranks leave together: a gloo pair torn down mid-exchange aborts the process

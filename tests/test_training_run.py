@@ -14,7 +14,8 @@ RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
 
 
 def finetune(*overrides, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "examples" / "finetune.py"), str(RECIPE), *overrides]
     return subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
