@@ -11,7 +11,10 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   shared buffers, so the next block's gather overlaps this block's math; online softmax in fp32
   with the exponent in base 2, probabilities rounded to bf16 before P·V, and the sink
   ``exp(sink_h)`` added to the denominator at the end.  It saves the base-2 log-sum-exp
-  ``lse2 = log2(sum_t exp(logit_t) + exp(sink_h))``, which the backward reuses.
+  ``lse2 = log2(sum_t exp(logit_t) + exp(sink_h))``, which the backward reuses.  What bounds it
+  (``examples/benchmarks/attention.py --bounds``, H200, V4.1 shape): its gathers alone take a third
+  of its time (7.3 TB/s of kv rows from L2); its math alone takes 86 % (QKᵀ split over the two
+  warpgroups by columns, so the row max and sum cross warpgroups through shared memory each block).
 * backward, two kernels: the first computes ``Δ = rowsum(dO·O)``, recomputes
   ``P = exp2(logit·log2e − lse2)`` per block, writes ``dS = scale·P·(dP − Δ)`` (bf16) and
   scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO`` with fp32 atomics (order-dependent rounding: ``dkv``
@@ -93,9 +96,11 @@ def _cached(key: tuple, build):
 _PASS_CONFIGS = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
 
 
-def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256):
+def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, probe=""):
     # Q [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Sink2 [H] fp32 (sink·log2e)
     # -> O [b, s, H, d] bf16, Lse2 [b, s, H] fp32 (base-2 log-sum-exp with the sink)
+    # probe (benchmarks only, the output is meaningless): "gather" keeps the gathers and barriers and drops
+    # the math; "math" gathers the first two blocks only and computes every block on them.
     # Hand-written double buffering: the index row is staged in shared memory once, and while the
     # two warpgroups work on one block of 64 rows, cp.async gathers the next block into the other of
     # two separate buffers (empty slots are zero-filled, not read).  Against TileLang's automatic
@@ -109,12 +114,14 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256):
     n_rows = -(-chunks // threads)
     c = scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
+    n_gathered = 2 if probe == "math" else n_steps
+    with_math = probe != "gather"
 
     @T.macro
     def gather(KV, idx_s, rows, kv_buf, bz, blk, t):
         # read this thread's row numbers first: interleaved with the copies, each shared read of the
         # index would get two barriers from TileLang's sync planner (it cannot tell idx_s from kv_buf)
-        if blk < n_steps:
+        if blk < n_gathered:
             for u in T.unroll(n_rows):
                 if chunks % threads == 0 or u * threads + t < chunks:
                     rows[u] = idx_s[blk * BI + (u * threads + t) // per_row]
@@ -134,24 +141,25 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256):
     def step(q_s, kv_buf, p_s, idx_s, blk, acc_s, acc_o, m, m_prev, l, l_blk, alpha, pending=1):
         T.ptx_wait_group(pending)  # this block's rows have landed (the next block's may be in flight)
         T.sync_threads()
-        for h, r in T.Parallel(HB, BI):
-            acc_s[h, r] = T.if_then_else(idx_s[blk * BI + r] >= 0, 0, -T.infinity(f32))
-        T.gemm(q_s, kv_buf, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.copy(m, m_prev)
-        T.reduce_max(acc_s, m, dim=1, clear=False)
-        for h in T.Parallel(HB):
-            m[h] = T.max(m[h], m_prev[h])
-        for h in T.Parallel(HB):
-            alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
-        for h, r in T.Parallel(HB, BI):
-            acc_s[h, r] = T.exp2(acc_s[h, r] * c - m[h] * c)
-        T.reduce_sum(acc_s, l_blk, dim=1)
-        for h in T.Parallel(HB):
-            l[h] = l[h] * alpha[h] + l_blk[h]
-        for h, d in T.Parallel(HB, dim):
-            acc_o[h, d] = acc_o[h, d] * alpha[h]
-        T.copy(acc_s, p_s)
-        T.gemm(p_s, kv_buf, acc_o, policy=T.GemmWarpPolicy.FullRow)
+        if with_math:
+            for h, r in T.Parallel(HB, BI):
+                acc_s[h, r] = T.if_then_else(idx_s[blk * BI + r] >= 0, 0, -T.infinity(f32))
+            T.gemm(q_s, kv_buf, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            T.copy(m, m_prev)
+            T.reduce_max(acc_s, m, dim=1, clear=False)
+            for h in T.Parallel(HB):
+                m[h] = T.max(m[h], m_prev[h])
+            for h in T.Parallel(HB):
+                alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
+            for h, r in T.Parallel(HB, BI):
+                acc_s[h, r] = T.exp2(acc_s[h, r] * c - m[h] * c)
+            T.reduce_sum(acc_s, l_blk, dim=1)
+            for h in T.Parallel(HB):
+                l[h] = l[h] * alpha[h] + l_blk[h]
+            for h, d in T.Parallel(HB, dim):
+                acc_o[h, d] = acc_o[h, d] * alpha[h]
+            T.copy(acc_s, p_s)
+            T.gemm(p_s, kv_buf, acc_o, policy=T.GemmWarpPolicy.FullRow)
         T.sync_threads()  # every warp is done with this buffer before it is refilled
 
     @T.prim_func

@@ -3,6 +3,7 @@
     python examples/benchmarks/attention.py                      # V4.1 shape: b=1 s=4096 h=64 d=512 k=640
     python examples/benchmarks/attention.py --ratio 2 --out examples/benchmarks/results/attention_h200.txt
     python examples/benchmarks/attention.py --kernels    # also the raw kernels (no padding/casts) and the indexer
+    python examples/benchmarks/attention.py --bounds     # the forward kernel vs its gather-only and math-only probes
 
 FLOP convention: forward 4·b·s·h·k·d (QKᵀ and P·V), backward 2.5x the forward (QKᵀ recompute, dO·Vᵀ,
 dS·K, dSᵀ·Q, Pᵀ·dO), with k the index slots including empty (-1) ones.  Times are CUDA-event
@@ -91,6 +92,27 @@ def kernel_times(b, s, h, d, topk, ratio, warmup, reps) -> str:
     return "\n".join(lines)
 
 
+def forward_bounds(b, s, h, d, topk, ratio, warmup, reps) -> str:
+    """The forward kernel against two probes of itself at one shape: only its gathers (with the same
+    barriers), and only its math (every block computed on the first two gathered blocks).  The larger
+    probe time is the part that bounds the kernel."""
+    n, k, scale = s + s // ratio, WINDOW + topk, d**-0.5
+    torch.manual_seed(0)
+    q = torch.randn(b, s, h, d, device="cuda").bfloat16()
+    kv = torch.randn(b, n, d, device="cuda").bfloat16()
+    idx = csa2_indices(b, s, ratio, topk, "cuda")
+    sink2 = torch.randn(h, device="cuda") * kt.LOG2E
+    o, lse2 = torch.empty_like(q), torch.empty(b, s, h, device="cuda")
+    flop, nbytes = 4 * b * s * h * k * d, b * s * k * d * 2
+    lines = [f"# forward kernel and its probes, b={b} s={s} h={h} d={d} k={k} n={n}"]
+    for probe in ("", "gather", "math"):
+        kernel = kt._compile(kt._build_attn_fwd(b, s, n, h, d, k, float(scale), probe=probe), fast_math=True)
+        ms = time_ms(lambda kernel=kernel: kernel(q, kv, idx, sink2, o, lse2), warmup, reps)
+        lines.append(f"{probe or 'full':8s} {ms:.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s-equivalent  "
+                     f"{nbytes / ms / 1e9:.2f} TB/s of kv rows")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--b", type=int, default=1)
@@ -104,6 +126,7 @@ def main():
     ap.add_argument("--peak", type=float, default=790.0, help="bf16 dense TFLOP/s ceiling for MFU")
     ap.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
     ap.add_argument("--kernels", action="store_true", help="also time the raw kernels and the indexer")
+    ap.add_argument("--bounds", action="store_true", help="also time the forward kernel's gather-only and math-only probes")
     ap.add_argument("--out", type=Path, help="also append the table to this file")
     args = ap.parse_args()
 
@@ -153,6 +176,8 @@ def main():
         )
     if args.kernels:
         lines.append(kernel_times(b, s, h, d, args.topk, args.ratio, 3, args.reps))
+    if args.bounds:
+        lines.append(forward_bounds(b, s, h, d, args.topk, args.ratio, 3, args.reps))
     report("\n".join(lines), args.out)
 
 
