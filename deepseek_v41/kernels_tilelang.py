@@ -13,8 +13,8 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   ``exp(sink_h)`` added to the denominator at the end.  It saves the base-2 log-sum-exp
   ``lse2 = log2(sum_t exp(logit_t) + exp(sink_h))``, which the backward reuses.  What bounds it
   (``examples/benchmarks/attention.py --bounds``, H200, V4.1 shape): its gathers alone take a third
-  of its time (7.3 TB/s of kv rows from L2); its math alone takes 86 % (QKᵀ split over the two
-  warpgroups by columns, so the row max and sum cross warpgroups through shared memory each block).
+  of its time (7.3 TB/s of kv rows from L2); its math alone takes 86 %.  Per-warpgroup structures
+  that avoid the cross-warpgroup row max and sum were slower (``results/attention_h200.txt``).
 * backward, two kernels: the first computes ``Δ = rowsum(dO·O)``, recomputes
   ``P = exp2(logit·log2e − lse2)`` per block, writes ``dS = scale·P·(dP − Δ)`` (bf16) and
   scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO`` with fp32 atomics (order-dependent rounding: ``dkv``
