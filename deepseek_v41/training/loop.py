@@ -137,8 +137,7 @@ class Trainer:
     def compute_gradients(self, update: int) -> dict:
         """Forward/backward of every micro-batch of ``update``; gradients end as global-batch means."""
         batches = [self._batch(self.train_set, idx) for idx in self.sampler.micro_batches(update)]
-        counts = torch.stack([((b["labels"][:, 1:] != data_lib.IGNORE_INDEX) & (b["attention_mask"][:, 1:] != 0)).sum()
-                              for b in batches])
+        counts = torch.stack([supervised_count(b) for b in batches])
         global_count = self._all_sum(counts.sum()).clamp(min=1)
         tokens = self._all_sum(sum(b["attention_mask"].sum() for b in batches))
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -296,10 +295,14 @@ class Trainer:
             print(text, flush=True)
 
 
+def supervised_count(batch: dict) -> torch.Tensor:
+    """The number of predicted tokens the loss averages over: labels[:, 1:] not ignored and not padding."""
+    return ((batch["labels"][:, 1:] != data_lib.IGNORE_INDEX) & (batch["attention_mask"][:, 1:] != 0)).sum()
+
+
 def summed_loss(model, batch: dict) -> tuple:
     """-> (CE summed over the batch's supervised tokens, their count); the model's loss is their mean."""
-    labels, mask = batch["labels"], batch["attention_mask"]
-    count = ((labels[:, 1:] != data_lib.IGNORE_INDEX) & (mask[:, 1:] != 0)).sum()
+    count = supervised_count(batch)
     return model(**batch).loss * count, count
 
 
