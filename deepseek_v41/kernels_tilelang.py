@@ -138,7 +138,7 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, pro
         T.ptx_commit_group()
 
     @T.macro
-    def step(q_s, kv_buf, p_s, idx_s, blk, acc_s, acc_o, m, m_prev, l, l_blk, alpha, pending=1):
+    def step(q_s, kv_buf, p_s, idx_s, blk, acc_s, acc_o, m, m_prev, l_part, alpha, pending=1):
         T.ptx_wait_group(pending)  # this block's rows have landed (the next block's may be in flight)
         T.sync_threads()
         if with_math:
@@ -153,9 +153,8 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, pro
                 alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
             for h, r in T.Parallel(HB, BI):
                 acc_s[h, r] = T.exp2(acc_s[h, r] * c - m[h] * c)
-            T.reduce_sum(acc_s, l_blk, dim=1)
-            for h in T.Parallel(HB):
-                l[h] = l[h] * alpha[h] + l_blk[h]
+            for h, r in T.Parallel(HB, BI):
+                l_part[h, r] = l_part[h, r] * alpha[h] + acc_s[h, r]
             for h, d in T.Parallel(HB, dim):
                 acc_o[h, d] = acc_o[h, d] * alpha[h]
             T.copy(acc_s, p_s)
@@ -184,8 +183,10 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, pro
             acc_s = T.alloc_fragment([HB, BI], f32)
             m = T.alloc_fragment([HB], f32)  # running row max of the raw logits q·k
             m_prev = T.alloc_fragment([HB], f32)
-            l = T.alloc_fragment([HB], f32)  # running sum of exp2((q·k − m)·c)
-            l_blk = T.alloc_fragment([HB], f32)
+            # running sums of exp2((q·k − m)·c), kept per slot column and summed over the row once at the end:
+            # a row sum per block would cost a cross-warpgroup reduction each time (1.09 -> 1.05 ms at V4.1 shape)
+            l_part = T.alloc_fragment([HB, BI], f32)
+            l = T.alloc_fragment([HB], f32)
             alpha = T.alloc_fragment([HB], f32)
             lse = T.alloc_fragment([HB], f32)
 
@@ -193,18 +194,19 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, pro
             T.copy(Q[bz, s_i, h0 : h0 + HB, :], q_s)
             T.copy(Idx[bz, s_i, :], idx_s)
             T.fill(acc_o, 0)
-            T.fill(l, 0)
+            T.fill(l_part, 0)
             T.fill(m, -1.0e30)  # finite: a block of only empty slots must not give inf − inf
             T.sync_threads()
             gather(KV, idx_s, rows, kv0, bz, 0, tx)
             for j in T.serial(n_pairs):
                 gather(KV, idx_s, rows, kv1, bz, j * 2 + 1, tx)
-                step(q_s, kv0, p_s, idx_s, j * 2, acc_s, acc_o, m, m_prev, l, l_blk, alpha)
+                step(q_s, kv0, p_s, idx_s, j * 2, acc_s, acc_o, m, m_prev, l_part, alpha)
                 gather(KV, idx_s, rows, kv0, bz, j * 2 + 2, tx)
-                step(q_s, kv1, p_s, idx_s, j * 2 + 1, acc_s, acc_o, m, m_prev, l, l_blk, alpha)
+                step(q_s, kv1, p_s, idx_s, j * 2 + 1, acc_s, acc_o, m, m_prev, l_part, alpha)
             if n_steps % 2 == 1:
-                step(q_s, kv0, p_s, idx_s, n_steps - 1, acc_s, acc_o, m, m_prev, l, l_blk, alpha, pending=0)
+                step(q_s, kv0, p_s, idx_s, n_steps - 1, acc_s, acc_o, m, m_prev, l_part, alpha, pending=0)
 
+            T.reduce_sum(l_part, l, dim=1)
             # the sink joins the denominator only: rescale to the common max with it
             for h in T.Parallel(HB):
                 lse[h] = T.max(m[h] * c, Sink2[h0 + h])

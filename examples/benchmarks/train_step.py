@@ -25,6 +25,7 @@ mHC mixes, Engram value/key projection, compressor, head) + sparse attention 4·
 
 import argparse
 import json
+import re
 import time
 
 import torch
@@ -72,6 +73,18 @@ def forward_flops_per_token(model, seq: int) -> float:
     return flops
 
 
+KERNEL_KINDS = [  # (kind, pattern of the CUDA kernel name), first match wins
+    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas"), ("attention", r"^attn_|^indexer"),
+    ("triton (compiled)", r"^triton_"), ("copy / cast", r"copy|cat|Cat"),
+    ("reduction", r"reduce|Reduce|softmax|SoftMax|norm"),
+]
+
+
+def kernel_kind(name: str) -> str:
+    # a profiler kernel name -> the kind it is summed under ("other elementwise" when nothing matches)
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name)), "other elementwise")
+
+
 def print_profile(model, optimizer, ids, rows: int, label: str) -> None:
     """One more step under torch.profiler: the CUDA kernels that take the most time, summed by name, then the
     PyTorch ops (with input shapes) whose own kernels take the most, to tell which code launched them."""
@@ -82,8 +95,16 @@ def print_profile(model, optimizer, ids, rows: int, label: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [  # "## Call CompiledFxGraph ..." ranges repeat the time of the kernels inside them
+        e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("## ")
+    ]
     total = sum(e.self_device_time_total for e in kernels)
+    by_kind = {}
+    for e in kernels:
+        kind = kernel_kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total
+    print(f"# {label}: CUDA kernel time by kind: " + ", ".join(
+        f"{kind} {t / 1e3:.1f} ms" for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1])))
     print(f"# {label}: CUDA kernel time of one step {total / 1e3:.1f} ms, top {rows} kernels by total time")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]:
         share = 100 * e.self_device_time_total / total
