@@ -12,13 +12,14 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   with the exponent in base 2, probabilities rounded to bf16 before P·V, and the sink
   ``exp(sink_h)`` added to the denominator at the end.  It saves the base-2 log-sum-exp
   ``lse2 = log2(sum_t exp(logit_t) + exp(sink_h))``, which the backward reuses.  What bounds it
-  (``examples/benchmarks/attention.py --bounds``, H200, V4.1 shape): its gathers alone take a third
-  of its time (7.3 TB/s of kv rows from L2); its math alone takes 86 %.  Per-warpgroup structures
-  that avoid the cross-warpgroup row max and sum were slower (``results/attention_h200.txt``).
+  (``examples/benchmarks/attention.py --bounds``, H200, V4.1 shape): its math alone takes 89 % of
+  its time.  Row sums are kept per slot column and reduced once at the end; the row max still needs
+  a cross-warpgroup reduction per block.  Per-warpgroup structures that avoid it were slower
+  (``results/attention_h200.txt``).
 * backward, two kernels: the first computes ``Δ = rowsum(dO·O)``, recomputes
   ``P = exp2(logit·log2e − lse2)`` per block, writes ``dS = scale·P·(dP − Δ)`` (bf16) and
   scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO`` with fp32 atomics (order-dependent rounding: ``dkv``
-  is not bit-deterministic); the second gathers again for ``dq = dS·kv[idx]``.  Splitting keeps
+  is not bit-deterministic; the atomics are ~60 % of this kernel's time at the V4.1 shape); the second gathers again for ``dq = dS·kv[idx]``.  Splitting keeps
   the [64, d] dq accumulator out of the first kernel's registers.  ``dsink_h = −Σ p_sink·Δ`` is a
   cheap elementwise reduction in PyTorch.
 * head counts that are not a multiple of 64 are padded with zero heads and ``idx`` with empty
@@ -206,6 +207,10 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, pro
             if n_steps % 2 == 1:
                 step(q_s, kv0, p_s, idx_s, n_steps - 1, acc_s, acc_o, m, m_prev, l_part, alpha, pending=0)
 
+            if not with_math:  # probe "gather": no math gives l_part its layout; take acc_s's as the math does
+                T.fill(acc_s, 0)
+                for h, r in T.Parallel(HB, BI):
+                    l_part[h, r] = acc_s[h, r]
             T.reduce_sum(l_part, l, dim=1)
             # the sink joins the denominator only: rescale to the common max with it
             for h in T.Parallel(HB):
