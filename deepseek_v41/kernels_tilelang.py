@@ -19,9 +19,10 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
 * backward, two kernels: the first computes ``Δ = rowsum(dO·O)``, recomputes
   ``P = exp2(logit·log2e − lse2)`` per block, writes ``dS = scale·P·(dP − Δ)`` (bf16) and
   scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO`` with fp32 atomics (order-dependent rounding: ``dkv``
-  is not bit-deterministic; the atomics are ~60 % of this kernel's time at the V4.1 shape); the second gathers again for ``dq = dS·kv[idx]``.  Splitting keeps
-  the [64, d] dq accumulator out of the first kernel's registers.  ``dsink_h = −Σ p_sink·Δ`` is a
-  cheap elementwise reduction in PyTorch.
+  is not bit-deterministic; the atomics are ~60 % of this kernel's time at the V4.1 shape); the
+  second gathers again for ``dq = dS·kv[idx]``.  Splitting keeps the [64, d] dq accumulator out of
+  the first kernel's registers.  ``dsink_h = −Σ p_sink·Δ`` is a cheap elementwise reduction in
+  PyTorch.
 * head counts that are not a multiple of 64 are padded with zero heads and ``idx`` with empty
   slots to a multiple of 64; both are exact (padded heads get ``dO = 0`` and add nothing to
   ``dkv``; empty slots get ``P = 0``).

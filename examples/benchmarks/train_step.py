@@ -211,7 +211,7 @@ def main():
                         choices=["mhc", "engram", "quant", "none"],
                         help="the backend kinds that the gpu_fast row runs on tile-kernels (none: all eager)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="profile one extra step and print its N most expensive CUDA kernels")
+                        help="profile one extra step: its CUDA kernel time by kind, its N most expensive kernels and ops")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("train_step.py needs a CUDA GPU")
