@@ -106,7 +106,7 @@ class Indexer(nn.Module):
     def scores(self, x, qr, cis, index_k, ratio, score_fn) -> torch.Tensor:
         # x [b, s, dim], qr [b, s, q_lora] -> fp32 [b, s, T], causally invisible entries at -inf
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = self.fp4_qdq(apply_rope(q, cis))
+        q = self.fp4_qdq(apply_rope(q, cis, inplace=True))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return score_fn(q, weights, index_k, ratio)
 
@@ -184,7 +184,7 @@ class Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, h, head_dim]
         if self.q_head_rescale:  # V4's per-head q RMS; absent from the official V4.1 code (off by default)
             q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
-        q = apply_rope(q, cis)
+        q = apply_rope(q, cis, inplace=True)  # q is fresh from wq_b: rotate its tail in place
         window_kv = self.fp8_qdq(apply_rope(self.kv_norm(self.wkv(x)), cis))  # [b, s, head_dim]
         idx = sliding_window_indices(s, self.window, x.device).expand(b, s, -1)
 

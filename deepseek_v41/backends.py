@@ -26,7 +26,9 @@ DEFAULT_BACKEND = {
 _REGISTRY = {
     "attn": {"torch": ((), False), "tilelang": (("tilelang",), True)},
     "linear": {"torch": ((), False), "te": (("transformer_engine",), True)},
-    "rms_norm": {"torch_fp32": ((), False), "torch": ((), False), "te": (("transformer_engine",), True)},
+    "rms_norm": {
+        "torch_fp32": ((), False), "torch": ((), False), "triton": (("triton",), True), "te": (("transformer_engine",), True),
+    },
     "experts": {"torch_mm": ((), False), "torch": ((), False)},
     # "local": every expert on this process. "torch" / "hybridep": expert parallelism, installed by the
     # training code (deepseek_v41.training) after the process group exists.
@@ -43,6 +45,7 @@ _REGISTRY = {
 _INSTALL_HINT = {
     "tilelang": "pip install 'deepseek_v41[gpu]'",
     "tile_kernels": "pip install 'deepseek_v41[gpu]'",
+    "triton": "install a CUDA build of PyTorch, which brings triton",
     "transformer_engine": "pip install transformer-engine[pytorch]",
     "deep_ep": "install DeepEP's hybrid-ep branch (HybridEP)",
 }

@@ -24,7 +24,7 @@ from .attention import Attention, CSA2State
 from .backends import check_available, resolve_backend
 from .configuration_deepseek_v41 import DeepseekV41Config
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
-from .layers import RMSNorm, make_head_matmul, make_rms_norm
+from .layers import RMSNorm, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
 from .moe import MoE, RoutedExperts, Router
 
@@ -269,6 +269,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if self._with_head:  # the fp32 head (an fp32 island; held and computed in fp32)
             self.head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
             self.head_matmul = make_head_matmul(config.backend)  # backend "head": fp32 or bf16x3
+            self.head_loss = make_head_loss(config.backend)  # bf16x3: the loss fused into the head, else None
         self.post_init()
         for module in self.modules():  # hard top-k: the indexer gets no LM gradient, so it is frozen
             if hasattr(module, "indexer"):
@@ -336,6 +337,10 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
         if labels is not None:
             check_targets(labels, self.config.text_config.vocab_size)  # a host sync, like the attention-mask check
         hidden = super().forward(input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        if labels is not None and self.head_loss is not None:  # the loss fused into the head's backward
+            targets = causal_lm_targets(labels, attention_mask)
+            logits, total = self.head_loss(hidden, self.head.weight, targets.view(labels.shape))
+            return CausalLMOutput(loss=total / (targets != IGNORE_INDEX).sum().clamp(min=1), logits=logits)
         logits = self.head_matmul(hidden, self.head.weight)  # fp32 [b, s, vocab]
         loss = None
         if labels is not None:
@@ -343,13 +348,18 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
         return CausalLMOutput(loss=loss, logits=logits)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask=None) -> torch.Tensor:
-    # logits fp32 [b, s, vocab], labels [b, s]: position t predicts labels[t + 1]
+def causal_lm_targets(labels: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    # labels [b, s] -> targets [b·s]: position t predicts labels[t + 1]; masked positions and the last are -100
     if attention_mask is not None:
         labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
     # the last position has no next token: its target is -100, so the logits are used whole (a slice would
     # copy them, and its backward would zero-fill and copy a full-size gradient)
-    targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1).reshape(-1)
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1).reshape(-1)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    # logits fp32 [b, s, vocab], labels [b, s] -> the mean cross-entropy over the counted next-token targets
+    targets = causal_lm_targets(labels, attention_mask)
     total = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 

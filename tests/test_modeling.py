@@ -189,6 +189,8 @@ def test_gpu_backend_on_cpu_names_the_missing_hardware(v4_tokenizer):
         tiny_model(v4_tokenizer, backend={"attn": "tilelang"})
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         tiny_model(v4_tokenizer, backend={"rms_norm": "te"})
+    with pytest.raises(RuntimeError, match="rms_norm backend 'triton' needs a CUDA GPU"):
+        tiny_model(v4_tokenizer, backend={"rms_norm": "triton"})
     for kind in ("mhc", "engram", "quant"):
         with pytest.raises(RuntimeError, match=f"{kind} backend 'tile_kernels' needs a CUDA GPU"):
             tiny_model(v4_tokenizer, backend={kind: "tile_kernels"})
@@ -233,6 +235,34 @@ def test_rope_matches_the_complex_product_with_gradients(dtype):
             assert not torch.equal(y1[..., -16:], x[..., -16:]) and torch.equal(y1[..., :-16], x[..., :-16])
 
 
+def test_rope_in_place_on_a_projection_output_matches_out_of_place():
+    # q straight from its projection (a view of the linear's output) is rotated in place: same values and
+    # gradients as the out-of-place rotation; an x that another op saved for its backward makes backward raise
+    from deepseek_v41.rope import apply_rope, rope_cis, rope_frequencies
+
+    g = torch.Generator().manual_seed(5)
+    cis = rope_cis(torch.arange(6), rope_frequencies(16, 10000.0, None))
+    lin = torch.nn.Linear(8, 3 * 32, dtype=torch.bfloat16)
+    inp = torch.randn(2, 6, 8, generator=g).bfloat16()
+    dy = torch.randn(2, 6, 3, 32, generator=g).bfloat16()
+    outs, grads = [], []
+    for inplace in (False, True):
+        lin.zero_grad()
+        x = lin(inp).unflatten(-1, (3, 32))
+        y = apply_rope(x, cis, inplace=inplace)
+        assert (y is x) == inplace
+        y.backward(dy)
+        outs.append(y.detach())
+        grads.append(lin.weight.grad.clone())
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    with pytest.raises(ValueError, match="contiguous"):
+        apply_rope(torch.randn(2, 32, 6).transpose(1, 2), cis, inplace=True)
+    a = torch.randn(2, 6, 32, requires_grad=True)
+    saved = a.exp()  # exp saves its output for the backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        apply_rope(saved, cis, inplace=True).sum().backward()
+
+
 def test_bf16x3_matmul_is_fp32_accurate_and_plain_bf16_is_not():
     from deepseek_v41.layers import mm_bf16x3
 
@@ -241,6 +271,37 @@ def test_bf16x3_matmul_is_fp32_accurate_and_plain_bf16_is_not():
     exact = a.double() @ b.double()
     assert rel_err(mm_bf16x3(a, b), exact) < 2e-5  # measured 4e-6
     assert rel_err(a.bfloat16().float() @ b.bfloat16().float(), exact) > 1e-3  # what the low halves buy
+
+
+@pytest.mark.parametrize("use", ["loss", "loss+logits", "logits"])
+def test_bf16x3_head_fused_loss_matches_head_then_cross_entropy(use):
+    # The loss fused into the bf16x3 head's backward (what a labels= forward runs) against the unfused head
+    # followed by F.cross_entropy: the same loss, logits and gradients, with ignored targets, with the logits
+    # also used by another term (their gradient is added), and with the loss unused.
+    from deepseek_v41.layers import head_bf16x3, head_bf16x3_cross_entropy
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 9, 32, generator=g).bfloat16()
+    w = torch.randn(100, 32, generator=g) * 0.3
+    targets = torch.randint(0, 100, (2, 9), generator=g)
+    targets[0, 3] = targets[1, -1] = -100
+    probe = torch.randn(2, 9, 100, generator=g)
+    results = []
+    for fused in (True, False):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if fused:
+            logits, total = head_bf16x3_cross_entropy(xg, wg, targets)
+        else:
+            logits = head_bf16x3(xg, wg)
+            total = torch.nn.functional.cross_entropy(logits.view(-1, 100), targets.view(-1), reduction="sum")
+        objective = {"loss": total, "loss+logits": total + (logits * probe).sum(), "logits": (logits * probe).sum()}
+        objective[use].backward()
+        results.append((logits.detach(), total.detach(), xg.grad, wg.grad))
+    (l1, t1, gx1, gw1), (l2, t2, gx2, gw2) = results
+    assert torch.equal(l1, l2)
+    torch.testing.assert_close(t1, t2, rtol=1e-6, atol=1e-5)
+    assert rel_err(gw1, gw2) < 1e-5 and rel_err(gx1.float(), gx2.float()) < 1e-2  # grad_x is rounded to bf16
+    assert gx1.dtype == torch.bfloat16 and gw1.dtype == torch.float32
 
 
 def test_bf16x3_head_matches_the_fp32_head_with_gradients(v4_tokenizer):

@@ -86,8 +86,9 @@ def test_remote_code_files_need_no_gpu_package():
     from deepseek_v41.modeling_deepseek_v41 import remote_code_files
 
     names = {f.name for f in remote_code_files()}
-    assert {"kernels_tilelang.py", "mhc_tile_kernels.py", "mhc.py", "quantization.py", "engram.py"} <= names
-    optional = {"tilelang", "tile_kernels", "transformer_engine", "deep_ep"}
+    assert {"kernels_tilelang.py", "kernels_triton.py", "mhc_tile_kernels.py", "mhc.py", "quantization.py",
+            "engram.py"} <= names
+    optional = {"tilelang", "tile_kernels", "transformer_engine", "deep_ep", "triton"}
     for file in remote_code_files():
         assert not optional & set(get_imports(str(file))), file.name
 
@@ -96,7 +97,7 @@ def test_backend_override_at_load(exported):
     _, folder = exported
     model = DeepseekV41ForCausalLM.from_pretrained(folder, backend={"rms_norm": "torch", "experts": "torch"})
     assert model.config.backend["rms_norm"] == "torch" and model.config.backend["experts"] == "torch"
-    assert model.norm.fp32 is False and model.layers[0].ffn.experts.grouped is False
+    assert model.norm.backend == "torch" and model.layers[0].ffn.experts.grouped is False
     with pytest.raises(ValueError, match="registered experts backends"):
         DeepseekV41ForCausalLM.from_pretrained(folder, backend={"experts": "cuda_magic"})
 

