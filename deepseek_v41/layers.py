@@ -10,7 +10,10 @@ import torch
 from torch import nn
 
 from .kernels_triton import (
-    cross_entropy_grad_hi_lo_triton, cross_entropy_rows_triton, rms_norm_triton, triton_usable,
+    cross_entropy_grad_hi_lo_triton,
+    cross_entropy_rows_triton,
+    rms_norm_triton,
+    triton_usable,
 )
 
 try:  # optional: the `te` backends (backends.check_available names it when missing)
