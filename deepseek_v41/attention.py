@@ -39,6 +39,27 @@ class CSA2State:
         return self._slots[(layer, name)]
 
 
+class _GroupedProjection(torch.autograd.Function):
+    """wo_a, block-diagonal: y[t, g] = W[g] · o[t, g] for o [n, groups, d], W [groups, r, d] -> y [n, groups·r].
+
+    Batched GEMMs over strided views: einsum would copy o into [groups, n, d] first (268 MB a 4096-token
+    sequence at V4.1 widths) and the weight gradient out of a [groups, d, r] layout."""
+
+    @staticmethod
+    def forward(ctx, o, w):
+        ctx.save_for_backward(o, w)
+        y = torch.bmm(o.transpose(0, 1), w.transpose(1, 2))  # [groups, n, r]
+        return y.transpose(0, 1).reshape(o.shape[0], -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        o, w = ctx.saved_tensors
+        dy = dy.reshape(o.shape[0], o.shape[1], -1).transpose(0, 1)  # [groups, n, r]
+        do = torch.bmm(dy, w).transpose(0, 1) if ctx.needs_input_grad[0] else None  # [n, groups, d]
+        dw = torch.bmm(dy.transpose(1, 2), o.transpose(0, 1)) if ctx.needs_input_grad[1] else None  # [groups, r, d]
+        return do, dw
+
+
 def attention_backend(name: str):
     """(sparse attention, indexer scores) implementations for the ``attn`` backend name."""
     if name == "tilelang":
@@ -197,10 +218,9 @@ class Attention(nn.Module):
 
         o = self.sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)  # [b, s, h, head_dim]
         o = apply_rope(o, cis, inverse=True)  # K = V carries rotated channels: undo at the query position
-        o = o.reshape(b, s, self.o_groups, -1)
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a.to(o.dtype))  # [b, s, groups, o_lora]
-        return self.wo_b(o.flatten(2))
+        o = _GroupedProjection.apply(o.reshape(b * s, self.o_groups, -1), wo_a.to(o.dtype))  # [b·s, groups·o_lora]
+        return self.wo_b(o.view(b, s, -1))
 
     def _compressed_branch(self, x, qr, cis, positions, state):
         # Publishes (as a source) and returns the shared compressed KV [b, T, head_dim].

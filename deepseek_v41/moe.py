@@ -30,12 +30,58 @@ def weighted_swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor,
 fused_weighted_swiglu = compiled_on_cuda(weighted_swiglu, dynamic=True)
 
 
+def _gather_slots(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    # token rows x [n, dim] -> [n·k, dim] in sorted order: row j is token order[j] // k
+    return x[order // k]
+
+
+def _sum_slots(y: torch.Tensor, order: torch.Tensor, k: int, dtype) -> torch.Tensor:
+    # sorted rows y [n·k, dim] -> [n, dim] in ``dtype``: put back in slot order, then each token's k rows summed
+    # in fp32 (deterministic: no atomics)
+    slots = y.new_empty(y.shape).index_copy_(0, order, y)
+    return slots.view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(dtype)
+
+
+class _GatherTokens(torch.autograd.Function):
+    # The dispatch permutation and its adjoint: gradients summed per token like the combine, instead of the
+    # index_put with accumulation (a sort) that autograd of x[order // k] would run
+    @staticmethod
+    def forward(ctx, x, order, k):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return _gather_slots(x, order, k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return _sum_slots(grad, order, ctx.k, grad.dtype), None, None
+
+
+class _CombineTopK(torch.autograd.Function):
+    # The combine and its adjoint: the gradient is gathered from the [n, dim] token gradient, not from a
+    # materialised [n, k, dim] expansion of it
+    @staticmethod
+    def forward(ctx, y, order, k):
+        ctx.save_for_backward(order)
+        ctx.k, ctx.dtype = k, y.dtype
+        return _sum_slots(y, order, k, torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return _gather_slots(grad.to(ctx.dtype), order, ctx.k), None, None
+
+
 def combine_top_k(y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Expert outputs y [n·k, dim] in sorted order (row j is the (token, choice) slot ``order[j]``) -> fp32
     [n, dim], each token's k rows summed in fp32.  Put back in slot order first, the sum needs no atomics
     (deterministic) and no fp32 copy of y."""
-    y = y.new_empty(y.shape).index_copy_(0, order, y)
-    return y.view(n, k, y.shape[-1]).sum(1, dtype=torch.float32)
+    return _CombineTopK.apply(y, order, k).view(n, y.shape[-1])
+
+
+def dispatch_top_k(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """Token rows x [n, dim] -> [n·k, dim] in sorted order (row j holds token ``order[j] // k``)."""
+    return _GatherTokens.apply(x, order, k)
 
 
 class Router(nn.Module):
@@ -131,7 +177,7 @@ class RoutedExperts(nn.Module):
         flat = expert_ids.flatten()
         order = flat.argsort(stable=True)  # sorted row j holds (token, choice) slot order[j]
         counts = torch.bincount(flat, minlength=self.w1.shape[0])
-        y = self.grouped_forward(x[order // k], counts, weights.flatten()[order])  # [n·k, dim], sorted
+        y = self.grouped_forward(dispatch_top_k(x, order, k), counts, weights.flatten()[order])  # [n·k, dim]
         return combine_top_k(y, order, n, k)
 
 

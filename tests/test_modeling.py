@@ -263,6 +263,39 @@ def test_rope_in_place_on_a_projection_output_matches_out_of_place():
         apply_rope(saved, cis, inplace=True).sum().backward()
 
 
+def test_hand_written_backwards_match_autograd_of_the_plain_ops():
+    # wo_a's grouped projection against einsum, and the MoE dispatch / combine against plain indexing and
+    # an [n, k, dim] sum: values and gradients (fp32: to rounding of a different summation order)
+    from deepseek_v41.attention import _GroupedProjection
+    from deepseek_v41.moe import combine_top_k, dispatch_top_k
+
+    g = torch.Generator().manual_seed(8)
+    o = torch.randn(10, 4, 24, generator=g, requires_grad=True)
+    w = torch.randn(4, 6, 24, generator=g, requires_grad=True)
+    dy = torch.randn(10, 24, generator=g)
+    y = _GroupedProjection.apply(o, w)
+    grads = torch.autograd.grad(y, (o, w), dy)
+    ref = torch.einsum("ngd,grd->ngr", o, w).reshape(10, 24)
+    ref_grads = torch.autograd.grad(ref, (o, w), dy)
+    torch.testing.assert_close(y, ref)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+    n, k, dim = 7, 3, 16
+    x = torch.randn(n, dim, generator=g, requires_grad=True)
+    order = torch.randint(0, 5, (n * k,), generator=g).argsort(stable=True)  # a routing's sort order
+    dz = torch.randn(n, dim, generator=g)
+    scale = torch.randn(n * k, 1, generator=g)  # stands in for the experts, so each copy's gradient differs
+    out = combine_top_k(dispatch_top_k(x, order, k) * scale, order, n, k)
+    (gx,) = torch.autograd.grad(out, x, dz)
+    slots = torch.empty(n * k, dim).index_copy(0, order, x[order // k] * scale)
+    ref_out = slots.view(n, k, dim).sum(1)
+    (ref_gx,) = torch.autograd.grad(ref_out, x, dz)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(gx, ref_gx)
+
+
 def test_bf16x3_matmul_is_fp32_accurate_and_plain_bf16_is_not():
     from deepseek_v41.layers import mm_bf16x3
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe import combine_top_k
+from ..moe import combine_top_k, dispatch_top_k
 
 
 class _AllToAll(torch.autograd.Function):
@@ -70,7 +70,7 @@ class AllToAllDispatcher:
         counts = torch.bincount(flat, minlength=experts.n_experts).view(self.size, e_local)  # [W, E_local]
         received = exchange_counts(counts, self.group)  # [W, E_local]: rows per (source rank, my expert)
         send, recv = counts.sum(1).tolist(), received.sum(1).tolist()
-        x_in = all_to_all(x[order // k], send, recv, self.group)  # [m, dim], by source rank then local expert
+        x_in = all_to_all(dispatch_top_k(x, order, k), send, recv, self.group)  # [m, dim]: by source, local expert
         w_in = all_to_all(weights.flatten()[order], send, recv, self.group)  # [m] fp32
         local_expert = torch.arange(e_local, device=x.device).repeat(self.size)
         local_expert = local_expert.repeat_interleave(received.flatten())  # [m]
