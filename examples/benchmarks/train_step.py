@@ -5,9 +5,10 @@ heads × 128), 4 layers (Full ratio 2 → Reuse → Full ratio 1 candidate sourc
 top-6 + 1 shared, Engram at layer 1 with a small table, sequence 4096, bf16 parameters with the fp32 islands,
 our RemainderAdamW.  Backends: ``torch`` (reference kernels), ``gpu`` (TileLang attention, grouped experts, IEEE
 fp32 head, per-op optimizer) and ``gpu_fast`` (``gpu`` + the bf16x3 fp32-emulating head GEMM with the loss fused
-into its backward, the compiled fused optimizer update, the Triton fp32 RMSNorm and tile-kernels' fused mHC, Engram gate and KV quantization
-boundaries; ``--tile-kernels none`` keeps those eager, ``--gpu-fast-norm torch_fp32`` the eager norm).  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s
-(NeMo's H100/H200 dense bf16 peak) and against the H200's measured ~790, peak memory, forward / backward /
+into its backward, the compiled fused optimizer update, the Triton fp32 RMSNorm and tile-kernels' fused mHC,
+Engram gate and KV quantization boundaries; ``--tile-kernels none`` keeps those eager, ``--gpu-fast-norm
+torch_fp32`` the eager norm).  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s (NeMo's H100/H200 dense
+bf16 peak) and against the H200's measured ~790, peak memory, forward / backward /
 optimizer milliseconds and the loss of the first forward (which every backend must reproduce).
 
     python examples/benchmarks/train_step.py [--seq 4096] [--batch 1] [--grad-accum 1] [--steps 5]
