@@ -42,9 +42,9 @@ def _rotate(x: torch.Tensor, cos_sin: torch.Tensor, inplace: bool = False) -> to
     # On CUDA one Triton pass (kernels_triton.rope_rotate, bit-identical): for q [1, 4096, 64, 512] eager
     # takes 0.55 ms on the H200 (clone + ~10 ops on the tail), a torch.compile'd version 0.44 ms with static
     # shapes (recompiling for each new shape) and 1.5 ms with dynamic ones.
-    if triton_usable(x) and x.is_contiguous():
-        return rope_rotate(x, cos_sin, inplace)
     rd = 2 * cos_sin.shape[-2]
+    if triton_usable(x) and x.is_contiguous() and rd & (rd - 1) == 0:  # the kernel takes power-of-two widths
+        return rope_rotate(x, cos_sin, inplace)
     cs = cos_sin.view([1, cos_sin.shape[0]] + [1] * (x.dim() - 3) + list(cos_sin.shape[-2:]))
     pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
     re, im = pairs[..., 0], pairs[..., 1]
