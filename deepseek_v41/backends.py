@@ -27,7 +27,8 @@ _REGISTRY = {
     "attn": {"torch": ((), False), "tilelang": (("tilelang",), True)},
     "linear": {"torch": ((), False), "te": (("transformer_engine",), True)},
     "rms_norm": {
-        "torch_fp32": ((), False), "torch": ((), False), "triton": (("triton",), True), "te": (("transformer_engine",), True),
+        "torch_fp32": ((), False), "torch": ((), False), "triton": (("triton",), True),
+        "te": (("transformer_engine",), True),
     },
     "experts": {"torch_mm": ((), False), "torch": ((), False)},
     # "local": every expert on this process. "torch" / "hybridep": expert parallelism, installed by the

@@ -1,4 +1,4 @@
-"""Triton GPU kernels for two memory-bound pieces of every layer: the RoPE tail rotation and the fp32 RMSNorm.
+"""Triton GPU kernels for memory-bound pieces of the training step: RoPE, the fp32 RMSNorm, the head's loss.
 
 * ``rope_rotate``: rotate the last ``rd`` channels (interleaved pairs) of x [rows, d] by per-position
   (cos, sin) in fp32 and round once; the other channels are copied (or left alone when rotating in
@@ -45,7 +45,8 @@ if triton is not None:
         re, im = tl.split(tl.reshape(v, (BLOCK_R, RD // 2, 2)))
         cos, sin = tl.split(tl.reshape(cs, (BLOCK_R, RD // 2, 2)))
         rotated = tl.reshape(tl.join(re * cos - im * sin, re * sin + im * cos), (BLOCK_R, RD))
-        tl.store(out_ptr + row_off[:, None] + (D - RD) + tail[None, :], rotated.to(out_ptr.dtype.element_ty), mask=mask)
+        out_tail = out_ptr + row_off[:, None] + (D - RD) + tail[None, :]
+        tl.store(out_tail, rotated.to(out_ptr.dtype.element_ty), mask=mask)
         if COPY:  # the pass-through channels [0, D - RD)
             cols = tl.arange(0, BLOCK_C)
             for c0 in tl.static_range(0, D - RD, BLOCK_C):
@@ -89,7 +90,6 @@ if triton is not None:
             dw += tl.where(live, dy * xhat, 0.0)
         tl.store(dw_part_ptr + tl.program_id(0) * D + cols, dw, mask=m)
 
-
     @triton.jit
     def _ce_rows_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, V, BLOCK_V: tl.constexpr):
         # one row of fp32 logits [n, V]: lse = log Σ exp (online, per lane, then across lanes), and the row's
@@ -131,14 +131,17 @@ if triton is not None:
         tl.store(out_ptr + n.to(tl.int64) * V + off, (g - hi.to(tl.float32)).to(tl.bfloat16), mask=m)
 
 
+def rope_kernel_fits(x: torch.Tensor, rd: int) -> bool:
+    """Whether ``rope_rotate`` takes x [.., d] with rd rotated channels: contiguous, rd a power of two <= d."""
+    return x.is_contiguous() and rd & (rd - 1) == 0 and rd <= x.shape[-1]
+
+
 def rope_rotate(x: torch.Tensor, cos_sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """x [b, n, (h,) d] contiguous, cos_sin fp32 [n, rd/2, 2] -> x with its last rd channels rotated (a new
     tensor, or x itself when ``inplace``)."""
     d, rd = x.shape[-1], 2 * cos_sin.shape[-2]
-    if not x.is_contiguous():
-        raise ValueError("rope_rotate needs a contiguous x (call .contiguous() first)")
-    if rd & (rd - 1) or rd > d:
-        raise ValueError(f"rope_rotate needs a power-of-two rotated width no larger than the row, got {rd} of {d}")
+    if not rope_kernel_fits(x, rd):
+        raise ValueError(f"rope_rotate needs a contiguous x and a power-of-two rotated width <= {d}, got {rd}")
     n_pos = x.shape[1]
     heads = x[0, 0].numel() // d
     n_rows = x.numel() // d
@@ -171,11 +174,13 @@ class _RMSNormTriton(torch.autograd.Function):
         n_rows, d = x2.shape
         dy2 = dy.reshape(-1, d).contiguous()
         dx = torch.empty_like(x2)
-        rows_per_program = triton.cdiv(n_rows, 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count)
+        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
+        rows_per_program = triton.cdiv(n_rows, 4 * sms)
         programs = triton.cdiv(n_rows, rows_per_program)
         dw_part = torch.empty(programs, d, dtype=torch.float32, device=x2.device)
         block = triton.next_power_of_2(d)
-        _rms_norm_bwd_kernel[(programs,)](x2, weight, dy2, rstd, dx, dw_part, n_rows, d, ROWS_PER_PROGRAM=rows_per_program, BLOCK_D=block,
+        _rms_norm_bwd_kernel[(programs,)](x2, weight, dy2, rstd, dx, dw_part, n_rows, d,
+                                          ROWS_PER_PROGRAM=rows_per_program, BLOCK_D=block,
                                           num_warps=min(16, max(1, block // 512)))
         return dx.view(dy.shape), dw_part.sum(0).to(weight.dtype), None
 
@@ -189,7 +194,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def cross_entropy_rows_triton(logits: torch.Tensor, targets: torch.Tensor):
-    """fp32 logits [n, V] (contiguous), targets [n] (< 0: not counted) -> (lse [n], Σ_counted lse − logit[target])."""
+    """fp32 logits [n, V] (contiguous), targets [n] (< 0: not counted) -> (lse [n], Σ_counted lse − logit[t])."""
     n, V = logits.shape
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)

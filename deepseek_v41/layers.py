@@ -245,7 +245,8 @@ def cross_entropy_grad_hi_lo(logits, lse, targets, grad_loss, grad_logits, out) 
     """Write [g_hi; g_lo] (bf16 [2n, V]) into ``out`` for g = grad_loss·(softmax − one-hot) on counted rows
     (0 elsewhere) + ``grad_logits`` (None: no such term); the split is ``_split_bf16``'s."""
     if triton_usable(logits):
-        return cross_entropy_grad_hi_lo_triton(logits, lse, targets, grad_loss, grad_logits, out)
+        cross_entropy_grad_hi_lo_triton(logits, lse, targets, grad_loss, grad_logits, out)
+        return
     counted = targets >= 0
     g = torch.exp(logits - lse.unsqueeze(1))
     g[counted, targets[counted]] -= 1.0
@@ -254,7 +255,6 @@ def cross_entropy_grad_hi_lo(logits, lse, targets, grad_loss, grad_logits, out) 
         g = g + grad_logits
     n = logits.shape[0]
     out[:n], out[n:] = _split_bf16(g)
-    return None
 
 
 def head_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
