@@ -273,8 +273,8 @@ def head_bf16x3(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def head_bf16x3_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-    """The ``bf16x3`` head with the loss fused into its backward: x [..., D], targets [...] (-100: not
-    counted) -> (fp32 logits [..., V], fp32 sum of the counted rows' cross-entropy)."""
+    """The ``bf16x3`` head with the loss fused into its backward: x [..., D], targets with one entry per row of
+    x in any shape (-100: not counted) -> (fp32 logits [..., V], fp32 sum of the counted rows' cross-entropy)."""
     lead = x.shape[:-1]
     x = x if x.dtype == torch.bfloat16 else x.float()
     logits, loss_sum = _LinearBf16x3CrossEntropy.apply(

@@ -337,15 +337,16 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
         if labels is not None:
             check_targets(labels, self.config.text_config.vocab_size)  # a host sync, like the attention-mask check
         hidden = super().forward(input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-        if labels is not None and self.head_loss is not None:  # the loss fused into the head's backward
-            targets = causal_lm_targets(labels, attention_mask)
-            logits, total = self.head_loss(hidden, self.head.weight, targets.view(labels.shape))
-            return CausalLMOutput(loss=total / (targets != IGNORE_INDEX).sum().clamp(min=1), logits=logits)
-        logits = self.head_matmul(hidden, self.head.weight)  # fp32 [b, s, vocab]
-        loss = None
-        if labels is not None:
-            loss = causal_lm_loss(logits, labels, attention_mask)
-        return CausalLMOutput(loss=loss, logits=logits)
+        if labels is None:
+            return CausalLMOutput(logits=self.head_matmul(hidden, self.head.weight))  # fp32 [b, s, vocab]
+        targets = causal_lm_targets(labels, attention_mask)
+        if self.head_loss is not None:  # bf16x3: the loss fused into the head's backward
+            logits, total = self.head_loss(hidden, self.head.weight, targets)
+        else:
+            logits = self.head_matmul(hidden, self.head.weight)
+            flat = logits.view(-1, logits.shape[-1])
+            total = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        return CausalLMOutput(loss=total / (targets != IGNORE_INDEX).sum().clamp(min=1), logits=logits)
 
 
 def causal_lm_targets(labels: torch.Tensor, attention_mask=None) -> torch.Tensor:
@@ -355,13 +356,6 @@ def causal_lm_targets(labels: torch.Tensor, attention_mask=None) -> torch.Tensor
     # the last position has no next token: its target is -100, so the logits are used whole (a slice would
     # copy them, and its backward would zero-fill and copy a full-size gradient)
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1).reshape(-1)
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask=None) -> torch.Tensor:
-    # logits fp32 [b, s, vocab], labels [b, s] -> the mean cross-entropy over the counted next-token targets
-    targets = causal_lm_targets(labels, attention_mask)
-    total = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def check_targets(labels: torch.Tensor, vocab: int) -> None:
