@@ -2,20 +2,19 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_training_parallel import torchrun_env
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
 
 
 def finetune(*overrides, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "examples" / "finetune.py"), str(RECIPE), *overrides]
     return subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)

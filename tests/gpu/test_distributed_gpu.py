@@ -25,6 +25,8 @@ pytestmark = [
 
 def _load(name: str):
     """The CPU test module ``name`` (its torchrun launchers and worker cases), imported by path."""
+    if str(TESTS) not in sys.path:  # the CPU test modules import each other's helpers
+        sys.path.insert(0, str(TESTS))
     spec = importlib.util.spec_from_file_location(f"_cpu_{name}", TESTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

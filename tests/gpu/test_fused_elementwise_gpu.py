@@ -1,8 +1,8 @@
 """The compiled (``layers.compiled_on_cuda``) elementwise functions on the GPU, against exact references.
 
-mHC's mix-logits ``dx`` and the head's hi/lo split of the logits gradient.  A result rounded to bf16 may differ from the correctly rounded exact value by one bf16 step (2^-8
-relative) where its fp32 value sits on a rounding boundary; the head split must be bit-exact against the eager
-split (its ``lo`` is what the fp32 emulation adds).
+mHC's mix-logits ``dx`` and the head's hi/lo split of the logits gradient.  A result rounded to bf16 may differ
+from the correctly rounded exact value by one bf16 step (2^-8 relative) where its fp32 value sits on a rounding
+boundary; the head split must be bit-exact against the eager split (its ``lo`` is what the fp32 emulation adds).
 """
 
 import pytest
