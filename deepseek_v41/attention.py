@@ -42,21 +42,28 @@ class CSA2State:
 class _GroupedProjection(torch.autograd.Function):
     """wo_a, block-diagonal: y[t, g] = W[g] · o[t, g] for o [n, groups, d], W [groups, r, d] -> y [n, groups·r].
 
-    Batched GEMMs over strided views: einsum would copy o into [groups, n, d] first (268 MB a 4096-token
-    sequence at V4.1 widths) and the weight gradient out of a [groups, d, r] layout."""
+    Batched GEMMs over strided views, writing their outputs in the token-major layout: einsum would copy o into
+    [groups, n, d] first (268 MB a 4096-token sequence at V4.1 widths) and the weight gradient out of a
+    [groups, d, r] layout, and a [groups, n, ·] result would be copied again to token-major."""
 
     @staticmethod
     def forward(ctx, o, w):
         ctx.save_for_backward(o, w)
-        y = torch.bmm(o.transpose(0, 1), w.transpose(1, 2))  # [groups, n, r]
-        return y.transpose(0, 1).reshape(o.shape[0], -1)
+        n, groups, _ = o.shape
+        y = o.new_empty((n, groups, w.shape[1]))
+        torch.bmm(o.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))  # written as [groups, n, r] views
+        return y.view(n, -1)
 
     @staticmethod
     def backward(ctx, dy):
         o, w = ctx.saved_tensors
         dy = dy.reshape(o.shape[0], o.shape[1], -1).transpose(0, 1)  # [groups, n, r]
-        do = torch.bmm(dy, w).transpose(0, 1) if ctx.needs_input_grad[0] else None  # [n, groups, d]
-        dw = torch.bmm(dy.transpose(1, 2), o.transpose(0, 1)) if ctx.needs_input_grad[1] else None  # [groups, r, d]
+        do = dw = None
+        if ctx.needs_input_grad[0]:  # [n, groups, d], contiguous like o: the batched GEMM writes it in place
+            do = torch.empty_like(o, memory_format=torch.contiguous_format)
+            torch.bmm(dy, w, out=do.transpose(0, 1))
+        if ctx.needs_input_grad[1]:
+            dw = torch.bmm(dy.transpose(1, 2), o.transpose(0, 1))  # [groups, r, d]
         return do, dw
 
 
@@ -202,10 +209,12 @@ class Attention(nn.Module):
         cis = rope_cis(positions, self.rope_freqs)  # [s, rope_dim / 2]
 
         qr = self.q_norm(self.wq_a(x))  # [b, s, q_lora]
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, h, head_dim]
+        q = self.wq_b(qr)  # [b, s, h·head_dim]
         if self.q_head_rescale:  # V4's per-head q RMS; absent from the official V4.1 code (off by default)
-            q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
-        q = apply_rope(q, cis, inplace=True)  # q is fresh from wq_b: rotate its tail in place
+            qh = q.float().unflatten(-1, (self.n_heads, self.head_dim))
+            q = (qh * torch.rsqrt(qh.square().mean(-1, keepdim=True) + self.eps)).flatten(2).to(q.dtype)
+        # q is fresh (not a view, not saved by another op): rotate each head's tail in place
+        q = apply_rope(q, cis, inplace=True, head_dim=self.head_dim).unflatten(-1, (self.n_heads, self.head_dim))
         window_kv = self.fp8_qdq(apply_rope(self.kv_norm(self.wkv(x)), cis))  # [b, s, head_dim]
         idx = sliding_window_indices(s, self.window, x.device).expand(b, s, -1)
 

@@ -1,4 +1,5 @@
-"""Triton GPU kernels for memory-bound pieces of the training step: RoPE, the fp32 RMSNorm, the head's loss.
+"""Triton GPU kernels for memory-bound pieces of the training step: RoPE, the fp32 RMSNorm, the head's loss,
+the MoE combine and the experts' weighted SwiGLU.
 
 * ``rope_rotate``: rotate the last ``rd`` channels (interleaved pairs) of x [rows, d] by per-position
   (cos, sin) in fp32 and round once; the other channels are copied (or left alone when rotating in
@@ -10,6 +11,10 @@
 * ``rms_norm_triton``: the ``rms_norm: triton`` backend, ``x·rsqrt(mean(x²)+eps)·w`` in fp32 with one
   rounding to x's dtype, and its backward, one kernel each way (plus a small sum of the weight-gradient
   partials).  The same formula as ``torch_fp32``; only the fp32 summation order differs.
+* ``gather_sum_rows``: out[t] = Σ_j y[src[t·k + j]] in fp32, one pass (the MoE combine and the dispatch's
+  adjoint, ``moe._sum_slots``), instead of a permuting ``index_copy_`` and a sum over an [n, k, dim] view.
+* ``weighted_swiglu_triton``: ``moe.weighted_swiglu`` (clamped SwiGLU times the routing weight, fp32 math, one
+  rounding) and its backward (gate, up and weight gradients), one kernel each way.
 
 Triton ships with the CUDA builds of PyTorch; on CPU (or without Triton) the callers use eager PyTorch.
 """
@@ -131,6 +136,68 @@ if triton is not None:
         tl.store(out_ptr + n.to(tl.int64) * V + off, (g - hi.to(tl.float32)).to(tl.bfloat16), mask=m)
 
 
+    @triton.jit
+    def _gather_sum_kernel(y_ptr, src_ptr, out_ptr, dim, K: tl.constexpr, BLOCK: tl.constexpr):
+        # out [n, dim] row t = Σ_j y[src[t·K + j]] (y [m, dim]), summed in fp32 in j order, rounded once
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < dim
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(src_ptr + t * K + j).to(tl.int64)
+            acc += tl.load(y_ptr + row * dim + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64) * dim + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _swiglu_fwd_kernel(gate_ptr, up_ptr, w_ptr, out_ptr, m, inter, limit, CLAMP: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # out [m, inter] = silu(min(gate, limit)) · clamp(up, ±limit) · w[row], fp32 math, one rounding
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (rows < m)[:, None] & (cols < inter)[None, :]
+        off = rows.to(tl.int64)[:, None] * inter + cols[None, :]
+        g = tl.load(gate_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        if CLAMP:
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            g = tl.minimum(g, limit)
+        w = tl.load(w_ptr + rows, mask=rows < m, other=0.0)
+        h = g * tl.sigmoid(g) * u * w[:, None]
+        tl.store(out_ptr + off, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(gate_ptr, up_ptr, w_ptr, dh_ptr, dgate_ptr, dup_ptr, dw_ptr, m, inter, limit,
+                           CLAMP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # with a = silu(g)·u (clamped g, u): dw[row] = Σ dh·a, du = dh·w·silu(g), dg = dh·w·u·silu'(g), where
+        # silu'(g) = s·(1 + g·(1 − s)), s = sigmoid(g); a clamp passes the gradient only inside its range
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = rows < m
+        w = tl.load(w_ptr + rows, mask=live, other=0.0)
+        dw = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for c0 in range(0, inter, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = live[:, None] & (cols < inter)[None, :]
+            off = rows.to(tl.int64)[:, None] * inter + cols[None, :]
+            g = tl.load(gate_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(up_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            dh = tl.load(dh_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            gc, uc = g, u
+            if CLAMP:
+                uc = tl.minimum(tl.maximum(u, -limit), limit)
+                gc = tl.minimum(g, limit)
+            s = tl.sigmoid(gc)
+            silu = gc * s
+            dw += tl.sum(dh * (silu * uc), axis=1)
+            dhw = dh * w[:, None]
+            du = dhw * silu
+            dg = dhw * uc * (s * (1.0 + gc * (1.0 - s)))
+            if CLAMP:
+                du = tl.where((u >= -limit) & (u <= limit), du, 0.0)
+                dg = tl.where(g <= limit, dg, 0.0)
+            tl.store(dgate_ptr + off, dg.to(dgate_ptr.dtype.element_ty), mask=mask)
+            tl.store(dup_ptr + off, du.to(dup_ptr.dtype.element_ty), mask=mask)
+        tl.store(dw_ptr + rows, dw, mask=live)
+
 def rope_kernel_fits(x: torch.Tensor, rd: int) -> bool:
     """Whether ``rope_rotate`` takes x [.., d] with rd rotated channels: contiguous, rd a power of two <= d."""
     return x.is_contiguous() and rd & (rd - 1) == 0 and rd <= x.shape[-1]
@@ -211,3 +278,44 @@ def cross_entropy_grad_hi_lo_triton(logits, lse, targets, grad_loss, grad_logits
     _ce_grad_hi_lo_kernel[(n, triton.cdiv(V, block))](
         logits, lse, targets, grad_loss, grad_logits, out, n, V, HAS_GRAD_LOGITS=has, BLOCK_V=block, num_warps=8
     )
+
+
+def gather_sum_rows(y: torch.Tensor, src: torch.Tensor, k: int, dtype) -> torch.Tensor:
+    """y [m, dim], src int [n·k] (rows of y) -> [n, dim] in ``dtype``: row t = Σ_j y[src[t·k + j]] in fp32."""
+    y = y.contiguous()
+    dim = y.shape[1]
+    n = src.numel() // k
+    out = torch.empty((n, dim), dtype=dtype, device=y.device)
+    block = min(1024, triton.next_power_of_2(dim))
+    _gather_sum_kernel[(n, triton.cdiv(dim, block))](y, src.contiguous(), out, dim, K=k, BLOCK=block, num_warps=4)
+    return out
+
+
+class _WeightedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, weights, limit):
+        gate, up, weights = gate.contiguous(), up.contiguous(), weights.float().contiguous()
+        m, inter = gate.shape
+        out = torch.empty_like(gate)
+        grid = (triton.cdiv(m, 8), triton.cdiv(inter, 256))
+        _swiglu_fwd_kernel[grid](gate, up, weights, out, m, inter, float(limit), CLAMP=limit > 0,
+                                 BLOCK_R=8, BLOCK_C=256, num_warps=4)
+        ctx.save_for_backward(gate, up, weights)
+        ctx.limit = limit
+        return out
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up, weights = ctx.saved_tensors
+        m, inter = gate.shape
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        dw = torch.empty(m, dtype=torch.float32, device=gate.device)
+        _swiglu_bwd_kernel[(triton.cdiv(m, 8),)](gate, up, weights, dh.contiguous(), dgate, dup, dw, m, inter,
+                                                 float(ctx.limit), CLAMP=ctx.limit > 0, BLOCK_R=8, BLOCK_C=256,
+                                                 num_warps=4)
+        return dgate, dup, dw, None
+
+
+def weighted_swiglu_triton(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float):
+    """``moe.weighted_swiglu`` on CUDA: gate, up [m, inter], weights fp32 [m] -> [m, inter] in gate's dtype."""
+    return _WeightedSwiGLU.apply(gate, up, weights, limit)

@@ -60,18 +60,29 @@ class _RotateTail(torch.autograd.Function):
     # Autograd of slice + cat would zero-fill and add two full-size gradients per call (q and the attention
     # output are [b, s, 64, 512]).  The gradient of a rotation is the inverse rotation, cos − i·sin (the
     # rounding passes the gradient straight through).  In place, only the rd-channel tail is read and written:
-    # for an x that no other op saved for its backward (q straight from its projection).
+    # for an x that no other op saved for its backward (q straight from its projection).  head_dim: x's last
+    # dim holds heads of that width, each rotated (so a projection's [b, s, h·d] output is rotated in place
+    # as it is: rotating a [b, s, h, d] view of it in place would make autograd copy the whole gradient twice
+    # and zero-fill one more, for the view's CopySlices / AsStrided backward)
     @staticmethod
-    def forward(ctx, x, cos_sin, inplace):
+    def forward(ctx, x, cos_sin, inplace, head_dim):
         ctx.save_for_backward(cos_sin)
+        ctx.head_dim = head_dim
         if inplace:
             ctx.mark_dirty(x)
-        return _rotate(x, cos_sin, inplace)
+        out = _rotate(_split_heads(x, head_dim), cos_sin, inplace)
+        return x if inplace else out.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad):
         (cos_sin,) = ctx.saved_tensors
-        return _rotate(grad.contiguous(), _conjugate(cos_sin)), None, None
+        grad = grad.contiguous()
+        return _rotate(_split_heads(grad, ctx.head_dim), _conjugate(cos_sin)).view(grad.shape), None, None, None
+
+
+def _split_heads(x: torch.Tensor, head_dim: int | None) -> torch.Tensor:
+    # [.., h·head_dim] -> [.., h, head_dim] (a view); None: x as it is
+    return x if head_dim is None else x.view(*x.shape[:-1], -1, head_dim)
 
 
 def _conjugate(cos_sin: torch.Tensor) -> torch.Tensor:
@@ -79,13 +90,16 @@ def _conjugate(cos_sin: torch.Tensor) -> torch.Tensor:
     return torch.stack([cos_sin[..., 0], -cos_sin[..., 1]], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: bool = False,
+               head_dim: int | None = None) -> torch.Tensor:
     """Rotate the last ``2 * cis.shape[-1]`` channels of x [b, n, (h,) d] by cis [n, rd/2] in fp32, round once.
 
-    ``inplace=True`` overwrites x's tail (x must be contiguous and not saved by another op for its backward;
-    autograd raises if it was)."""
+    ``head_dim``: x is [b, n, h·head_dim], and each head's tail is rotated.  ``inplace=True`` overwrites x's
+    tails (x must be contiguous and not saved by another op for its backward; autograd raises if it was)."""
     # x [b, n, (h,) d], cis complex [n, rd/2]
     cos_sin = torch.view_as_real(cis)  # fp32 [n, rd/2, 2]
     if inplace and not x.is_contiguous():
         raise ValueError("apply_rope(inplace=True) needs a contiguous x")
-    return _RotateTail.apply(x, _conjugate(cos_sin) if inverse else cos_sin, inplace)
+    if head_dim is not None and x.shape[-1] % head_dim:
+        raise ValueError(f"apply_rope: the last dim ({x.shape[-1]}) is not a multiple of head_dim ({head_dim})")
+    return _RotateTail.apply(x, _conjugate(cos_sin) if inverse else cos_sin, inplace, head_dim)

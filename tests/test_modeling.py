@@ -235,32 +235,58 @@ def test_rope_matches_the_complex_product_with_gradients(dtype):
             assert not torch.equal(y1[..., -16:], x[..., -16:]) and torch.equal(y1[..., :-16], x[..., :-16])
 
 
+def graph_node_names(t: torch.Tensor) -> set:
+    # the names of every autograd node behind t
+    visited, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in visited:
+            visited.add(node)
+            stack.extend(fn for fn, _ in node.next_functions)
+    return {node.name() for node in visited}
+
+
 def test_rope_in_place_on_a_projection_output_matches_out_of_place():
-    # q straight from its projection (a view of the linear's output) is rotated in place: same values and
-    # gradients as the out-of-place rotation; an x that another op saved for its backward makes backward raise
+    # q straight from its (bias-free) projection is rotated in place, per head of the flat [b, s, h·d] output
+    # (head_dim), or as a [b, s, h, d] view of it: same values and gradients as the out-of-place rotation.
+    # The flat form leaves no view-copy nodes (CopySlices / AsStrided: full gradient copies and a zero fill)
+    # in the graph; an x that another op saved for its backward makes backward raise
     from deepseek_v41.rope import apply_rope, rope_cis, rope_frequencies
 
     g = torch.Generator().manual_seed(5)
     cis = rope_cis(torch.arange(6), rope_frequencies(16, 10000.0, None))
-    lin = torch.nn.Linear(8, 3 * 32, dtype=torch.bfloat16)
+    lin = torch.nn.Linear(8, 3 * 32, bias=False, dtype=torch.bfloat16)
     inp = torch.randn(2, 6, 8, generator=g).bfloat16()
     dy = torch.randn(2, 6, 3, 32, generator=g).bfloat16()
     outs, grads = [], []
-    for inplace in (False, True):
+    for inplace, flat in ((False, False), (True, False), (True, True)):
         lin.zero_grad()
-        x = lin(inp).unflatten(-1, (3, 32))
-        y = apply_rope(x, cis, inplace=inplace)
+        x = lin(inp) if flat else lin(inp).unflatten(-1, (3, 32))
+        y = apply_rope(x, cis, inplace=inplace, head_dim=32 if flat else None)
         assert (y is x) == inplace
+        y = y.unflatten(-1, (3, 32)) if flat else y
+        view_copies = {"CopySlices", "AsStridedBackward0"} & graph_node_names(y)
+        assert not view_copies if flat or not inplace else view_copies
         y.backward(dy)
         outs.append(y.detach())
         grads.append(lin.weight.grad.clone())
-    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    for out, grad in zip(outs[1:], grads[1:]):
+        assert torch.equal(outs[0], out) and torch.equal(grads[0], grad)
     with pytest.raises(ValueError, match="contiguous"):
         apply_rope(torch.randn(2, 32, 6).transpose(1, 2), cis, inplace=True)
+    with pytest.raises(ValueError, match="not a multiple of head_dim"):
+        apply_rope(torch.randn(2, 6, 40), cis, head_dim=32)
     a = torch.randn(2, 6, 32, requires_grad=True)
     saved = a.exp()  # exp saves its output for the backward
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         apply_rope(saved, cis, inplace=True).sum().backward()
+
+
+def test_the_training_graph_has_no_view_copy_nodes(model):
+    # every layer kind's backward: no in-place op on a view (its CopySlices / AsStrided backward copies and
+    # zero-fills whole gradients), e.g. RoPE on a [b, s, h, d] view of the q projection
+    loss = model(ids_batch(), labels=ids_batch()).loss
+    assert not {"CopySlices", "AsStridedBackward0"} & graph_node_names(loss)
 
 
 def test_hand_written_backwards_match_autograd_of_the_plain_ops():

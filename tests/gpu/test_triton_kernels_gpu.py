@@ -1,5 +1,6 @@
-"""The Triton kernels (``kernels_triton``) on the GPU: RoPE bit-identical to the eager rotation, and the
-``rms_norm: triton`` backend against an fp64 reference, no less accurate than the eager ``torch_fp32`` norm."""
+"""The Triton kernels (``kernels_triton``) on the GPU: RoPE bit-identical to the eager rotation, the
+``rms_norm: triton`` backend against an fp64 reference, no less accurate than the eager ``torch_fp32`` norm, the
+fused loss, the MoE gather-and-sum and the weighted SwiGLU against their eager forms."""
 
 import pytest
 import torch
@@ -118,3 +119,47 @@ def test_fused_cross_entropy_kernels_match_eager(with_logits_grad):
     assert rel_err(out[:n].float() + out[n:].float(), ref) < 1e-5
     hi = _split_bf16(ref.float())[0]  # the split itself is the eager one: hi is g rounded to bf16
     assert (out[:n] != hi).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_gather_sum_kernel_matches_the_eager_combine(dtype):
+    # moe._sum_slots on CUDA (the Triton gather-and-sum) against its eager form on the CPU (index_copy_, then
+    # an fp32 sum over [n, k, dim]): both sum each token's k rows in choice order, so fp32 agrees to rounding
+    from deepseek_v41.moe import _sum_slots
+
+    g = torch.Generator().manual_seed(3)
+    n, k, dim = 1000, 6, 5120
+    y = torch.randn(n * k, dim, generator=g).bfloat16()
+    order = torch.randint(0, 32, (n * k,), generator=g).argsort(stable=True)  # a routing's sort order
+    out = _sum_slots(y.cuda(), order.cuda(), k, dtype)
+    ref = _sum_slots(y, order, k, dtype)
+    assert out.dtype == dtype and out.shape == (n, dim)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    assert rel_err(out.cpu(), y.double().view(-1, dim)[torch.argsort(order)].view(n, k, dim).sum(1)) < 5e-3
+
+
+@pytest.mark.parametrize("limit", [7.0, 0.0])
+def test_weighted_swiglu_kernels_match_eager_autograd(limit):
+    # the Triton weighted SwiGLU (forward, and gate / up / routing-weight gradients) against eager autograd
+    # of moe.weighted_swiglu in fp64 at the experts' width, with the clamps active on part of the inputs
+    from deepseek_v41.moe import fused_weighted_swiglu, weighted_swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    m, inter = 3000, 2304
+    gate = (torch.randn(m, inter, device="cuda", generator=g) * 5).bfloat16().requires_grad_()
+    up = (torch.randn(m, inter, device="cuda", generator=g) * 5).bfloat16().requires_grad_()
+    weights = torch.rand(m, device="cuda", generator=g).requires_grad_()
+    dh = torch.randn(m, inter, device="cuda", generator=g).bfloat16()
+    out = fused_weighted_swiglu(gate, up, weights, limit)
+    assert out.grad_fn is not None and "WeightedSwiGLU" in out.grad_fn.name()  # the Triton path ran
+    grads = torch.autograd.grad(out, (gate, up, weights), dh)
+    leaves = [t.detach().double().requires_grad_() for t in (gate, up, weights)]
+    ref = weighted_swiglu(*leaves, limit)
+    ref_grads = torch.autograd.grad(ref, leaves, dh.double())
+    assert out.dtype == torch.bfloat16 and [t.dtype for t in grads] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    assert rel_err(out, ref) < 4e-3  # one bf16 rounding
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert rel_err(grad, ref_grad) < (4e-3 if grad.dtype == torch.bfloat16 else 1e-5)
+    if limit:  # the clamps took effect on both inputs, and their gradients are zero where they did
+        assert (gate > limit).any() and (up.abs() > limit).any()
+        assert (grads[0][gate > limit] == 0).all() and (grads[1][up.abs() > limit] == 0).all()
