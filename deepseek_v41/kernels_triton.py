@@ -11,8 +11,9 @@ the MoE combine and the experts' weighted SwiGLU.
 * ``rms_norm_triton``: the ``rms_norm: triton`` backend, ``x·rsqrt(mean(x²)+eps)·w`` in fp32 with one
   rounding to x's dtype, and its backward, one kernel each way (plus a small sum of the weight-gradient
   partials).  The same formula as ``torch_fp32``; only the fp32 summation order differs.
-* ``gather_sum_rows``: out[t] = Σ_j y[src[t·k + j]] in fp32, one pass (the MoE combine and the dispatch's
-  adjoint, ``moe._sum_slots``), instead of a permuting ``index_copy_`` and a sum over an [n, k, dim] view.
+* ``gather_sum_rows``: out[t] = Σ_j y[src[t·k + j]] (+ the shared expert's row) in fp32, one pass (the MoE
+  combine and the dispatch's adjoint, ``moe._sum_slots``), instead of a permuting ``index_copy_``, a sum over an
+  [n, k, dim] view and the casts and add of the shared expert's output.
 * ``weighted_swiglu_triton``: ``moe.weighted_swiglu`` (clamped SwiGLU times the routing weight, fp32 math, one
   rounding) and its backward (gate, up and weight gradients), one kernel each way.
 
@@ -137,8 +138,9 @@ if triton is not None:
 
 
     @triton.jit
-    def _gather_sum_kernel(y_ptr, src_ptr, out_ptr, dim, K: tl.constexpr, BLOCK: tl.constexpr):
-        # out [n, dim] row t = Σ_j y[src[t·K + j]] (y [m, dim]), summed in fp32 in j order, rounded once
+    def _gather_sum_kernel(y_ptr, src_ptr, add_ptr, out_ptr, dim, K: tl.constexpr, ADD: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        # out [n, dim] row t = Σ_j y[src[t·K + j]] (y [m, dim]) (+ add[t]), summed in fp32 in j order, rounded once
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < dim
@@ -146,6 +148,8 @@ if triton is not None:
         for j in tl.static_range(K):
             row = tl.load(src_ptr + t * K + j).to(tl.int64)
             acc += tl.load(y_ptr + row * dim + cols, mask=m, other=0.0).to(tl.float32)
+        if ADD:
+            acc += tl.load(add_ptr + t.to(tl.int64) * dim + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64) * dim + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -280,14 +284,18 @@ def cross_entropy_grad_hi_lo_triton(logits, lse, targets, grad_loss, grad_logits
     )
 
 
-def gather_sum_rows(y: torch.Tensor, src: torch.Tensor, k: int, dtype) -> torch.Tensor:
-    """y [m, dim], src int [n·k] (rows of y) -> [n, dim] in ``dtype``: row t = Σ_j y[src[t·k + j]] in fp32."""
+def gather_sum_rows(y: torch.Tensor, src: torch.Tensor, k: int, dtype, add: torch.Tensor | None = None):
+    """y [m, dim], src int [n·k] (rows of y), add [n, dim] or None -> [n, dim] in ``dtype``:
+    row t = Σ_j y[src[t·k + j]] (+ add[t]) in fp32, rounded once."""
     y = y.contiguous()
     dim = y.shape[1]
     n = src.numel() // k
     out = torch.empty((n, dim), dtype=dtype, device=y.device)
     block = min(1024, triton.next_power_of_2(dim))
-    _gather_sum_kernel[(n, triton.cdiv(dim, block))](y, src.contiguous(), out, dim, K=k, BLOCK=block, num_warps=4)
+    _gather_sum_kernel[(n, triton.cdiv(dim, block))](
+        y, src.contiguous(), y if add is None else add.contiguous(), out, dim, K=k, ADD=add is not None, BLOCK=block,
+        num_warps=4,
+    )
     return out
 
 

@@ -42,16 +42,18 @@ def _gather_slots(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
     return x[order // k]
 
 
-def _sum_slots(y: torch.Tensor, order: torch.Tensor, k: int, dtype) -> torch.Tensor:
-    # sorted rows y [n·k, dim] -> [n, dim] in ``dtype``: each token's k rows summed in fp32 in choice order
-    # (deterministic: no atomics).  CUDA: one gather-and-sum pass over y, reading row src[slot] for each slot
-    # (src = the inverse permutation of order); eager: put back in slot order, then sum an [n, k, dim] view
+def _sum_slots(y: torch.Tensor, order: torch.Tensor, k: int, dtype, add: torch.Tensor | None = None) -> torch.Tensor:
+    # sorted rows y [n·k, dim] (+ add [n, dim]) -> [n, dim] in ``dtype``: each token's k rows summed in fp32 in
+    # choice order (deterministic: no atomics), then add, one rounding.  CUDA: one gather-and-sum pass over y,
+    # reading row src[slot] for each slot (src = the inverse permutation of order); eager: put back in slot
+    # order, then sum an [n, k, dim] view
     if triton_usable(y):
         src = torch.empty_like(order)
         src[order] = torch.arange(order.numel(), device=order.device)
-        return gather_sum_rows(y, src, k, dtype)
+        return gather_sum_rows(y, src, k, dtype, add)
     slots = y.new_empty(y.shape).index_copy_(0, order, y)
-    return slots.view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(dtype)
+    total = slots.view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32)
+    return (total if add is None else total + add.float()).to(dtype)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -70,25 +72,27 @@ class _GatherTokens(torch.autograd.Function):
 
 
 class _CombineTopK(torch.autograd.Function):
-    # The combine and its adjoint: the gradient is gathered from the [n, dim] token gradient, not from a
-    # materialised [n, k, dim] expansion of it
+    # The combine (plus the shared expert's output) and its adjoint: the gradient is gathered from the [n, dim]
+    # token gradient, not from a materialised [n, k, dim] expansion of it; the shared output's is that gradient
     @staticmethod
-    def forward(ctx, y, order, k):
+    def forward(ctx, y, order, k, shared):
         ctx.save_for_backward(order)
         ctx.k, ctx.dtype = k, y.dtype
-        return _sum_slots(y, order, k, torch.float32)
+        return _sum_slots(y, order, k, torch.float32 if shared is None else shared.dtype, shared)
 
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
-        return _gather_slots(grad.to(ctx.dtype), order, ctx.k), None, None
+        grad_shared = grad if ctx.needs_input_grad[3] else None
+        return _gather_slots(grad.to(ctx.dtype), order, ctx.k), None, None, grad_shared
 
 
-def combine_top_k(y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def combine_top_k(y: torch.Tensor, order: torch.Tensor, n: int, k: int, shared: torch.Tensor | None = None):
     """Expert outputs y [n·k, dim] in sorted order (row j is the (token, choice) slot ``order[j]``) -> fp32
-    [n, dim], each token's k rows summed in fp32.  Put back in slot order first, the sum needs no atomics
-    (deterministic) and no fp32 copy of y."""
-    return _CombineTopK.apply(y, order, k).view(n, y.shape[-1])
+    [n, dim], each token's k rows summed in fp32; with ``shared`` [n, dim] (the shared expert's output), the sum
+    plus it in fp32, rounded once to its dtype.  Summed per token (as if put back in slot order first), the
+    combine needs no atomics (deterministic) and no fp32 copy of y."""
+    return _CombineTopK.apply(y, order, k, shared).view(n, y.shape[-1])
 
 
 def dispatch_top_k(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
@@ -181,16 +185,18 @@ class RoutedExperts(nn.Module):
             start += count
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # x [n, dim], expert_ids [n, k] (global ids), weights fp32 [n, k] -> fp32 [n, dim] (sum over k)
+    def forward(self, x, expert_ids, weights, shared=None) -> torch.Tensor:
+        # x [n, dim], expert_ids [n, k] (global ids), weights fp32 [n, k] -> fp32 [n, dim] (sum over k); with
+        # shared [n, dim] (the shared expert's output): sum + shared in fp32, rounded once to shared's dtype
         if self.dispatcher is not None:
-            return self.dispatcher(self, x, expert_ids, weights)
+            routed = self.dispatcher(self, x, expert_ids, weights)
+            return routed if shared is None else (routed + shared.float()).to(shared.dtype)
         n, k = expert_ids.shape
         flat = expert_ids.flatten()
         order = flat.argsort(stable=True)  # sorted row j holds (token, choice) slot order[j]
         counts = torch.bincount(flat, minlength=self.w1.shape[0])
         y = self.grouped_forward(dispatch_top_k(x, order, k), counts, weights.flatten()[order])  # [n·k, dim]
-        return combine_top_k(y, order, n, k)
+        return combine_top_k(y, order, n, k, shared)
 
 
 class Expert(nn.Module):
@@ -220,5 +226,4 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
         # x [n, dim] tokens, image_mask [n] | None -> [n, dim]: routed sum in fp32 + shared, one rounding
         weights, experts = self.gate(x, image_mask)
-        y = self.experts(x, experts, weights) + self.shared_experts(x).float()
-        return y.to(x.dtype)
+        return self.experts(x, experts, weights, self.shared_experts(x).to(x.dtype))

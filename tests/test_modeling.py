@@ -321,6 +321,19 @@ def test_hand_written_backwards_match_autograd_of_the_plain_ops():
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(gx, ref_gx)
 
+    # with the shared expert's output folded in: the fp32 sum plus it, rounded once to its dtype; its gradient
+    # is the output's, and the experts' the same as without it
+    y = (x[order // k] * scale).bfloat16().detach().requires_grad_()
+    shared = torch.randn(n, dim, generator=g).bfloat16().requires_grad_()
+    out = combine_top_k(y, order, n, k, shared)
+    dz = torch.randn(n, dim, generator=g).bfloat16()
+    grads = torch.autograd.grad(out, (y, shared), dz)
+    ref_out = (combine_top_k(y, order, n, k) + shared.float()).to(torch.bfloat16)
+    ref_grads = torch.autograd.grad(ref_out, (y, shared), dz)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref_out)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)
+
 
 def test_bf16x3_matmul_is_fp32_accurate_and_plain_bf16_is_not():
     from deepseek_v41.layers import mm_bf16x3

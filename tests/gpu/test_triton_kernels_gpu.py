@@ -136,6 +136,10 @@ def test_moe_gather_sum_kernel_matches_the_eager_combine(dtype):
     assert out.dtype == dtype and out.shape == (n, dim)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
     assert rel_err(out.cpu(), y.double().view(-1, dim)[torch.argsort(order)].view(n, k, dim).sum(1)) < 5e-3
+    shared = torch.randn(n, dim, generator=g).bfloat16()  # the combine with the shared expert's output added
+    out = _sum_slots(y.cuda(), order.cuda(), k, dtype, shared.cuda())
+    torch.testing.assert_close(out.cpu(), _sum_slots(y, order, k, dtype, shared),
+                               rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("limit", [7.0, 0.0])
