@@ -52,7 +52,8 @@ def test_bf16x3_head_forward_and_gradients_on_tensor_cores():
 
 
 def test_fused_functions_trace_into_an_outer_compile():
-    # compiled_on_cuda functions called from a torch.compile'd region (fullgraph) become part of that graph
+    # the fused functions (compiled_on_cuda, or Triton-backed like this one) called from a torch.compile'd region
+    # (fullgraph) are traced into that graph as their plain ops
     from deepseek_v41.moe import fused_weighted_swiglu, weighted_swiglu
 
     g = torch.Generator(device="cuda").manual_seed(2)
