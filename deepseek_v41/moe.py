@@ -194,7 +194,9 @@ class RoutedExperts(nn.Module):
         n, k = expert_ids.shape
         flat = expert_ids.flatten()
         order = flat.argsort(stable=True)  # sorted row j holds (token, choice) slot order[j]
-        counts = torch.bincount(flat, minlength=self.w1.shape[0])
+        # rows per expert: a scatter-add rather than bincount, whose CUDA kernel reads the ids' min and max back to
+        # the host (a device sync in every MoE layer's forward); the ids are in [0, E) by construction
+        counts = flat.new_zeros(self.w1.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))
         y = self.grouped_forward(dispatch_top_k(x, order, k), counts, weights.flatten()[order])  # [n·k, dim]
         return combine_top_k(y, order, n, k, shared)
 

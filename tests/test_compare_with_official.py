@@ -192,12 +192,12 @@ class Expert(nn.Module):
 
 
 class Experts(nn.ModuleList):
-    def forward(self, x, expert_ids, weights):  # -> fp32 [n, dim]
+    def forward(self, x, expert_ids, weights, shared=None):  # -> fp32 [n, dim]; + shared: in shared's dtype
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, expert in enumerate(self):
             token, slot = (expert_ids == e).nonzero(as_tuple=True)
             out[token] += expert(x[token], weights[token, slot, None]).float()  # one pick per token
-        return out
+        return out if shared is None else (out + shared.float()).to(shared.dtype)
 
 
 def mix(block, x, sub):

@@ -60,3 +60,23 @@ def test_grouped_experts_match_the_loop(counts):
         for e in range(E):  # an expert that got no token gets exactly zero gradient
             if e not in used:
                 assert g[e].abs().max().item() == 0.0, (name, e)
+
+
+def test_grouped_experts_forward_and_backward_do_not_sync_the_host():
+    # the local (no expert parallelism) path: counting, sorting, dispatch, grouped GEMMs, SwiGLU and combine are
+    # all queued on the device; a device-to-host read (bincount's, for one) would stall every MoE layer
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    experts = routed_experts("torch_mm", 8, 256, 128, gen)
+    x = torch.randn(300, 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+    expert_ids = torch.randint(0, 8, (300, 2), device="cuda", generator=gen)
+    weights = torch.rand(300, 2, device="cuda", generator=gen).requires_grad_()
+    shared = torch.randn(300, 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+    experts(x, expert_ids, weights, shared).sum().backward()  # warm-up: kernels compiled, caches filled
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = experts(x, expert_ids, weights, shared)
+        out.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.dtype == torch.bfloat16 and x.grad is not None and weights.grad is not None and shared.grad is not None
