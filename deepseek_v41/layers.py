@@ -80,13 +80,22 @@ def compiled_on_cuda(fn, **compile_options):
 # ---- the fp32 head: logits = x · Wᵀ with fp32 x [.., D], fp32 W [V, D] -> fp32 logits [.., V] ----------------
 
 
+def _round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    # fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32: x.to(bfloat16).float() computed on
+    # the bits, so that no compiler folds the rounding away (Inductor turns x − x.to(bf16).float() into 0 unless
+    # told to emulate precision casts, which a model-wide torch.compile is not); NaN stays NaN
+    bits = x.view(torch.int32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000: clear the low 16 bits
+    return torch.where(x.isnan(), x, rounded.view(torch.float32))
+
+
 def _split_bf16(x: torch.Tensor) -> tuple:
     # fp32 -> (hi, lo) bf16 with x ≈ hi + lo: hi keeps 8 mantissa bits, lo the next 8 (relative error ~2^-17);
     # a bf16 tensor is its own hi and has no lo (None)
     if x.dtype == torch.bfloat16:
         return x, None
-    hi = x.to(torch.bfloat16)
-    return hi, (x - hi.float()).to(torch.bfloat16)
+    hi = _round_to_bf16(x)
+    return hi.to(torch.bfloat16), (x - hi).to(torch.bfloat16)
 
 
 def _mm_bf16_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -134,10 +143,9 @@ def _hi_lo_cat(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(_split_bf16(x), dim=dim)
 
 
-# one pass over the fp32 tensor on the GPU (eager, the split and the cat are five passes over the 2.6 GB head
+# one pass over the fp32 tensor on the GPU (eager, the split and the cat are several passes over the 2.6 GB head
 # weight); the head uses it along dim 1, for W2 = [W_hi | W_lo]
-# (emulate_precision_casts: Inductor would otherwise subtract the unrounded x instead of hi, and lo would be 0)
-_hi_lo_cat_fused = compiled_on_cuda(_hi_lo_cat, dynamic=True, options={"emulate_precision_casts": True})
+_hi_lo_cat_fused = compiled_on_cuda(_hi_lo_cat, dynamic=True)
 
 
 def _hi_lo_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -151,7 +159,7 @@ def _hi_lo_rows_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_hi_lo_rows_into_fused = compiled_on_cuda(_hi_lo_rows_into, dynamic=True, options={"emulate_precision_casts": True})
+_hi_lo_rows_into_fused = compiled_on_cuda(_hi_lo_rows_into, dynamic=True)
 
 
 def _bf16x3_head_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

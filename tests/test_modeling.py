@@ -1,5 +1,7 @@
 """The text model on a tiny config with every layer kind: causality, padding, loss, gradients, backends."""
 
+import shutil
+
 import pytest
 import torch
 from conftest import tiny_config, tiny_model
@@ -333,6 +335,27 @@ def test_hand_written_backwards_match_autograd_of_the_plain_ops():
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref_out)
     for a, b in zip(grads, ref_grads):
         assert torch.equal(a, b)
+
+
+def test_bf16_split_rounds_like_the_cast_and_survives_torch_compile():
+    # the bf16x3 split's hi is x rounded to bf16 (ties to even; inf, NaN, signed zeros, subnormals, overflow to
+    # inf), computed on the bits; so a plain torch.compile (Inductor, no precision-cast emulation: e.g. the
+    # whole model compiled) keeps lo = x − hi instead of folding it to zero, and matches eager bit for bit
+    from deepseek_v41.layers import _hi_lo_cat, _round_to_bf16
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 64, generator=g) * torch.logspace(-40, 38, 64)
+    x[0, :8] = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-45, -1e-42, 3.4028235e38])
+    x[1] = ((torch.randint(-(2**30), 2**30, (64,), generator=g, dtype=torch.int32) & -65536) | 0x8000).view(
+        torch.float32)  # exact ties
+    rounded, cast = _round_to_bf16(x), x.to(torch.bfloat16).float()
+    assert torch.equal(rounded.isnan(), cast.isnan())
+    assert torch.equal(rounded.nan_to_num().view(torch.int32), cast.nan_to_num().view(torch.int32))
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("torch.compile's CPU backend needs a C++ compiler")
+    compiled = torch.compile(lambda w: _hi_lo_cat(w, 1), fullgraph=True)(x[2:])
+    eager = _hi_lo_cat(x[2:], 1)
+    assert (eager[:, 64:] != 0).any() and torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
 
 
 def test_bf16x3_matmul_is_fp32_accurate_and_plain_bf16_is_not():

@@ -61,3 +61,9 @@ def test_fused_functions_trace_into_an_outer_compile():
     weights = torch.rand(64, device="cuda", generator=g)
     outer = torch.compile(lambda a, b, w: fused_weighted_swiglu(a, b, w, 7.0) * 2, fullgraph=True)
     torch.testing.assert_close(outer(gate, up, weights), weighted_swiglu(gate, up, weights, 7.0) * 2)
+    # the head's weight split traced into a plain outer compile (no precision-cast emulation) keeps its lo half
+    from deepseek_v41.layers import _hi_lo_cat, _hi_lo_cat_fused
+
+    w = torch.randn(1000, 512, device="cuda", generator=g)
+    split = torch.compile(lambda w: _hi_lo_cat_fused(w, 1), fullgraph=True)(w)
+    assert split[:, 512:].abs().max() > 0 and torch.equal(split, _hi_lo_cat(w, 1))
