@@ -37,6 +37,13 @@ def fused_weighted_swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.T
     return weighted_swiglu(gate, up, weights, limit)
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """order [m] (a permutation of 0..m-1) -> inv [m] with inv[order[j]] = j: where each element went."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
+
+
 def _gather_slots(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
     # token rows x [n, dim] -> [n·k, dim] in sorted order: row j is token order[j] // k
     return x[order // k]
@@ -48,9 +55,7 @@ def _sum_slots(y: torch.Tensor, order: torch.Tensor, k: int, dtype, add: torch.T
     # reading row src[slot] for each slot (src = the inverse permutation of order); eager: put back in slot
     # order, then sum an [n, k, dim] view
     if triton_usable(y):
-        src = torch.empty_like(order)
-        src[order] = torch.arange(order.numel(), device=order.device)
-        return gather_sum_rows(y, src, k, dtype, add)
+        return gather_sum_rows(y, inverse_permutation(order), k, dtype, add)
     slots = y.new_empty(y.shape).index_copy_(0, order, y)
     total = slots.view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32)
     return (total if add is None else total + add.float()).to(dtype)

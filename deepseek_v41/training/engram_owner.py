@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from deepseek_v41.moe import inverse_permutation
 from deepseek_v41.training.expert_parallel import all_to_all
 
 
@@ -60,9 +61,7 @@ class RowOwnerLookup:
             )
         found = F.embedding(local_ids, self.embed.weight)  # [m, d]
         back = all_to_all(found, recv_splits, send_splits, self.group)  # [n, d], in `order`
-        restore = torch.empty_like(order)
-        restore[order] = torch.arange(order.numel(), device=order.device)
-        return back[restore].view(*hash_ids.shape, -1)
+        return back[inverse_permutation(order)].view(*hash_ids.shape, -1)
 
 
 def shard_engram_table(engram: nn.Module, rank: int, owners: int) -> tuple:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe import combine_top_k, dispatch_top_k
+from ..moe import combine_top_k, dispatch_top_k, inverse_permutation
 
 
 class _AllToAll(torch.autograd.Function):
@@ -76,9 +76,7 @@ class AllToAllDispatcher:
         local_expert = local_expert.repeat_interleave(received.flatten())  # [m]
         regroup = local_expert.argsort(stable=True)
         y = experts.grouped_forward(x_in[regroup], received.sum(0), w_in[regroup])  # [m, dim] x dtype
-        restore = torch.empty_like(regroup)
-        restore[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-        y_home = all_to_all(y[restore], recv, send, self.group)  # [n * k, dim], in `order`
+        y_home = all_to_all(y[inverse_permutation(regroup)], recv, send, self.group)  # [n * k, dim], in `order`
         return combine_top_k(y_home, order, n, k)
 
 
