@@ -6,7 +6,11 @@ tested against it on the GPU (``tests/gpu/test_tilelang_attention.py``).
 
 Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query token, 64 heads):
 
-* forward (compiled with TileLang's fast math: hardware ``ex2.approx``, ~2-4 % faster here):
+* forward: at head dim 512 on Hopper (DeepSeek-V4.1) the hand-written CUDA kernel of
+  ``sparse_attention_cuda`` (warp-specialised, 424 against 323 TFLOP/s for the kernel below at the V4.1
+  shape); the TileLang kernel below for other head dims, other GPUs, or with ``DS41_SPARSE_FWD=tilelang``.
+  Both keep the same contract and write the same ``lse2`` for the backward.
+* TileLang forward (compiled with TileLang's fast math: hardware ``ex2.approx``, ~2-4 % faster here):
   gathers the selected latent rows ``kv[idx]`` block by block (64 slots) with cp.async into two
   shared buffers, so the next block's gather overlaps this block's math; online softmax in fp32
   with the exponent in base 2, probabilities rounded to bf16 before P·V, and the sink
@@ -45,6 +49,8 @@ kernel on the H200 machine).
 import threading
 
 import torch
+
+from .sparse_attention_cuda import cuda_forward_kernel, cuda_forward_usable, sparse_attention_forward_cuda
 
 try:
     import tilelang
@@ -409,16 +415,33 @@ def _device_key(t: torch.Tensor):
     return (t.device.type, t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def _attn_kernels(b, s, n, h, d, k, scale, device):
-    """(forward kernel, [dKV/dS kernel, dQ kernel]) for one shape, built once per process."""
+def _attn_fwd_kernel(b, s, n, h, d, k, scale, device):
+    """The TileLang forward kernel for one shape, built once per process."""
+    shape = (b, s, n, h, d, k, float(scale))
+    return _cached(("attn", shape, "bfloat16", device, "fwd"), lambda: _compile(_build_attn_fwd(*shape), fast_math=True))
+
+
+def _attn_bwd_kernels(b, s, n, h, d, k, scale, device):
+    """[dKV/dS kernel, dQ kernel] for one shape, built once per process."""
     shape = (b, s, n, h, d, k, float(scale))
     base = ("attn", shape, "bfloat16", device)
-    fwd = _cached(base + ("fwd",), lambda: _compile(_build_attn_fwd(*shape), fast_math=True))
-    bwd = [
+    return [
         _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape))),
         _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6]))),
     ]
-    return fwd, bwd
+
+
+def _attention_forward(q, kv, idx, sink2, scale):
+    """o, lse2 from padded inputs (H % 64 == 0, k % 64 == 0): the CUDA kernel at head dim 512 on Hopper
+    (``sparse_attention_cuda``), the TileLang kernel otherwise or with ``DS41_SPARSE_FWD=tilelang``."""
+    b, s, h, d = q.shape
+    n, k = kv.shape[1], idx.shape[2]
+    if cuda_forward_usable(d, k, q.device):
+        return sparse_attention_forward_cuda(q, kv, idx, sink2, scale)
+    o = torch.empty_like(q)
+    lse2 = torch.empty((b, s, h), dtype=torch.float32, device=q.device)
+    _attn_fwd_kernel(b, s, n, h, d, k, scale, _device_key(q))(q, kv, idx, sink2, o, lse2)
+    return o, lse2
 
 
 def _pad_heads(x: torch.Tensor, heads_padded: int) -> torch.Tensor:
@@ -455,8 +478,8 @@ def _check_attn_inputs(q, kv, sink, idx):
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, sink, idx, scale):
-        b, s, h, d = q.shape
-        n, k = kv.shape[1], idx.shape[2]
+        b, s, h = q.shape[:3]
+        k = idx.shape[2]
         hp = -(-h // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
         kp = -(-k // SLOTS_PER_BLOCK) * SLOTS_PER_BLOCK
         qp = _pad_heads(q, hp)
@@ -468,10 +491,7 @@ class _SparseAttention(torch.autograd.Function):
         sink2 = torch.zeros(hp, dtype=torch.float32, device=q.device)
         sink2[:h] = sink.float() * LOG2E
         kvc = kv.contiguous()
-        fwd, _bwd = _attn_kernels(b, s, n, hp, d, kp, scale, _device_key(q))
-        o = torch.empty_like(qp)
-        lse2 = torch.empty((b, s, hp), dtype=torch.float32, device=q.device)
-        fwd(qp, kvc, idxp, sink2, o, lse2)
+        o, lse2 = _attention_forward(qp, kvc, idxp, sink2, scale)
         ctx.save_for_backward(qp, kvc, sink, sink2, idxp, o, lse2)
         ctx.scale, ctx.h = scale, h
         return o[:, :, :h] if hp != h else o
@@ -482,7 +502,7 @@ class _SparseAttention(torch.autograd.Function):
         h = ctx.h
         b, s, hp, d = qp.shape
         n, kp = kv.shape[1], idxp.shape[2]
-        _fwd, (bwd_kv, bwd_q) = _attn_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp))
+        bwd_kv, bwd_q = _attn_bwd_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp))
         dop = _pad_heads(do.to(qp.dtype), hp)
         delta = torch.empty((b, s, hp), dtype=torch.float32, device=qp.device)  # Δ = rowsum(dO·O)
         ds = torch.empty((b, s, hp, kp), dtype=qp.dtype, device=qp.device)
@@ -566,8 +586,12 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
                 continue
             hp = -(-spec["h"] // HEADS_PER_BLOCK) * HEADS_PER_BLOCK
             kp = -(-spec["k"] // SLOTS_PER_BLOCK) * SLOTS_PER_BLOCK
-            _fwd, bwd = _attn_kernels(spec["b"], spec["s"], spec["n"], hp, spec["d"], kp, spec["scale"], dev)
-            count += 1 + len(bwd)
+            shape = (spec["b"], spec["s"], spec["n"], hp, spec["d"], kp, spec["scale"])
+            if cuda_forward_usable(spec["d"], kp, device):
+                cuda_forward_kernel(kp)
+            else:
+                _attn_fwd_kernel(*shape, dev)
+            count += 1 + len(_attn_bwd_kernels(*shape, dev))
     return count
 
 

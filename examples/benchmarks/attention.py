@@ -1,4 +1,8 @@
-"""CSA2 sparse attention on one GPU: TileLang kernels vs the PyTorch reference, forward and backward.
+"""CSA2 sparse attention on one GPU: the tilelang backend vs the PyTorch reference, forward and backward.
+
+At head dim 512 on Hopper the backend's forward is the hand-written CUDA kernel (sparse_attention_cuda);
+the row "tilelang, TileLang fwd" runs the same backend with DS41_SPARSE_FWD=tilelang (the TileLang forward),
+and --kernels times both forward kernels alone, in the same run.
 
     python examples/benchmarks/attention.py                      # V4.1 shape: b=1 s=4096 h=64 d=512 k=640
     python examples/benchmarks/attention.py --ratio 2 --out examples/benchmarks/results/attention_h200.txt
@@ -12,6 +16,7 @@ MFU is against the measured bf16 dense GEMM ceiling of the H200 (~790 TFLOP/s, -
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +27,7 @@ from gpu_timing import report, time_ms
 
 from deepseek_v41 import kernels_tilelang as kt
 from deepseek_v41.sparse_attention import sparse_attention_torch
+from deepseek_v41.sparse_attention_cuda import cuda_forward_usable, sparse_attention_forward_cuda
 
 WINDOW = 128
 
@@ -69,11 +75,18 @@ def kernel_times(b, s, h, d, topk, ratio, warmup, reps) -> str:
     do = torch.randn_like(q)
     sink2 = torch.randn(h, device="cuda") * kt.LOG2E
     o, lse2 = torch.empty_like(q), torch.empty(b, s, h, device="cuda")
-    fwd, (bwd_kv, bwd_q) = kt._attn_kernels(b, s, n, h, d, k, scale, ("cuda", torch.cuda.current_device()))
+    dev = ("cuda", torch.cuda.current_device())
+    fwd = kt._attn_fwd_kernel(b, s, n, h, d, k, scale, dev)
+    bwd_kv, bwd_q = kt._attn_bwd_kernels(b, s, n, h, d, k, scale, dev)
     flop = 4 * b * s * h * k * d
     lines = [f"# kernel-only, b={b} s={s} h={h} d={d} k={k} n={n}: forward FLOP 4bshkd = {flop / 1e9:.1f} G"]
-    ms = time_ms(lambda: fwd(q, kv, idx, sink2, o, lse2), warmup, reps)
-    lines.append(f"attn_fwd     {ms:.3f} ms {flop / ms / 1e9:6.1f} TFLOP/s; gathers {b * s * k * d * 2 / ms / 1e9:.2f} TB/s of kv rows")
+    ms_tl = time_ms(lambda: fwd(q, kv, idx, sink2, o, lse2), warmup, reps)
+    lines.append(f"attn_fwd     {ms_tl:.3f} ms {flop / ms_tl / 1e9:6.1f} TFLOP/s; gathers {b * s * k * d * 2 / ms_tl / 1e9:.2f} TB/s of kv rows (TileLang)")
+    if cuda_forward_usable(d, k, q.device):
+        ms = time_ms(lambda: sparse_attention_forward_cuda(q, kv, idx, sink2, scale), warmup, reps)
+        lines.append(f"attn_fwd     {ms:.3f} ms {flop / ms / 1e9:6.1f} TFLOP/s; gathers {b * s * k * d * 2 / ms / 1e9:.2f} TB/s of kv rows "
+                     f"(CUDA, outputs allocated per call; {ms_tl / ms:.2f}x the TileLang kernel)")
+        o, lse2 = sparse_attention_forward_cuda(q, kv, idx, sink2, scale)  # the backward kernels read its outputs
     delta, dkv, dq = torch.empty(b, s, h, device="cuda"), torch.zeros(b, n, d, device="cuda"), torch.empty_like(q)
     ds = torch.empty(b, s, h, k, device="cuda", dtype=torch.bfloat16)
     ms_kv = time_ms(lambda: bwd_kv(q, kv, o, do, idx, lse2, delta, ds, dkv), warmup, reps)
@@ -146,6 +159,11 @@ def main():
     )
     fwd, bwd = measure(kt.sparse_attention_tilelang, b, s, h, d, args.topk, args.ratio, args.warmup, args.reps)
     rows.append(("tilelang", s, fwd, bwd, fwd_flop, bwd_flop))
+    if cuda_forward_usable(d, k, torch.device("cuda")):  # the same backend with its TileLang forward
+        os.environ["DS41_SPARSE_FWD"] = "tilelang"
+        fwd, bwd = measure(kt.sparse_attention_tilelang, b, s, h, d, args.topk, args.ratio, args.warmup, args.reps)
+        del os.environ["DS41_SPARSE_FWD"]
+        rows.append(("tilelang, TileLang fwd", s, fwd, bwd, fwd_flop, bwd_flop))
 
     if not args.no_reference:
         ref_s = s

@@ -146,3 +146,98 @@ def test_warmup_builds_and_caches():
     assert len(kt._KERNELS) == size  # second call hits the in-process cache
     with pytest.raises(TypeError, match="one dict per kernel shape"):
         kt.warmup_tilelang_kernels([(1, 128)])
+
+
+# ---- the CUDA forward (head dim 512 on Hopper) ----
+
+def _cuda_fwd_usable() -> bool:
+    return AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _lse2_torch(q, kv, sink, idx, scale):
+    # base-2 log-sum-exp over [selected logits ; sink] in fp32: what the forward kernels save for the backward
+    b, s, h, d = q.shape
+    rows = torch.gather(kv.float(), 1, idx.clamp(min=0).long().reshape(b, -1, 1).expand(-1, -1, d)).view(b, s, -1, d)
+    logits = torch.einsum("bshd,bskd->bshk", q.float(), rows) * scale
+    logits = logits.masked_fill(~(idx >= 0).unsqueeze(2), float("-inf"))
+    full = torch.cat([logits, sink.float().view(1, 1, h, 1).expand(b, s, h, 1)], dim=-1)
+    return torch.logsumexp(full, dim=-1) * kt.LOG2E
+
+
+@pytest.mark.parametrize(
+    "b,s,h,n,k,empty",
+    [
+        pytest.param(2, 256, 128, 300, 256, 0.3, id="b2_h128_k256_empty30"),
+        pytest.param(1, 200, 64, 150, 192, 0.5, id="k192_padded_to_256"),  # odd number of 64-slot blocks
+        pytest.param(1, 130, 64, 5000, 640, 0.0, id="k640_full"),
+    ],
+)
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fwd_usable(), reason=REASON or "the CUDA forward needs a Hopper GPU")
+def test_cuda_forward_matches_tilelang_forward_and_fp32(b, s, h, n, k, empty):
+    from deepseek_v41.sparse_attention_cuda import sparse_attention_forward_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(k + h)
+    d, scale = 512, 512**-0.5
+    q = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(b, n, d, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(h, device="cuda", generator=gen)
+    idx = torch.randint(0, n, (b, s, k), device="cuda", generator=gen, dtype=torch.int32)
+    idx[torch.rand(b, s, k, device="cuda", generator=gen) < empty] = -1
+    idx[0, 1] = -1  # a query with no key at all: O = 0, lse2 = the sink alone
+    sink2 = (sink * kt.LOG2E).contiguous()
+
+    o, lse2 = sparse_attention_forward_cuda(q, kv, idx, sink2, scale)
+    kp = -(-k // 64) * 64
+    idx64 = torch.full((b, s, kp), -1, dtype=torch.int32, device="cuda")
+    idx64[:, :, :k] = idx
+    o_tl, lse2_tl = torch.empty_like(q), torch.empty(b, s, h, device="cuda")
+    kt._attn_fwd_kernel(b, s, n, h, d, kp, scale, ("cuda", torch.cuda.current_device()))(
+        q, kv, idx64, sink2, o_tl, lse2_tl
+    )
+    o_ref = sparse_attention_torch(q.float(), kv.float(), sink, idx, scale)
+    lse2_ref = _lse2_torch(q, kv, sink, idx, scale)
+
+    assert o.dtype == torch.bfloat16 and o.shape == q.shape and torch.isfinite(o).all()
+    assert o[0, 1].abs().max().item() == 0.0
+    torch.testing.assert_close(lse2[0, 1], sink2, rtol=0, atol=1e-6)
+    errs = {
+        "o_vs_fp32": rel_err(o, o_ref),
+        "o_tilelang_vs_fp32": rel_err(o_tl, o_ref),
+        "o_vs_tilelang": rel_err(o, o_tl),
+        "lse2_vs_fp32": (lse2 - lse2_ref).abs().max().item(),
+        "lse2_vs_tilelang": (lse2 - lse2_tl).abs().max().item(),
+    }
+    print(errs)
+    assert errs["o_vs_fp32"] < 1e-2 and errs["o_vs_tilelang"] < 5e-3, errs
+    # P is rounded to bf16 after the softmax in both kernels: no worse than the TileLang forward, within noise
+    assert errs["o_vs_fp32"] < 1.2 * errs["o_tilelang_vs_fp32"], errs
+    assert errs["lse2_vs_fp32"] < 1e-4 and errs["lse2_vs_tilelang"] < 1e-4, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fwd_usable(), reason=REASON or "the CUDA forward needs a Hopper GPU")
+def test_backend_forward_uses_cuda_at_d512_unless_told_otherwise(monkeypatch):
+    from deepseek_v41 import sparse_attention_cuda
+
+    calls = []
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return sparse_attention_cuda.sparse_attention_forward_cuda(*args)
+
+    monkeypatch.setattr(kt, "sparse_attention_forward_cuda", counting)
+    q, kv, sink, idx, _do = make_case(1, 128, 64, 512, 64, 2, seed=3)
+    kt.sparse_attention_tilelang(q, kv, sink, idx, 512**-0.5)
+    assert len(calls) == 1
+    q2, kv2, sink2, idx2, _ = make_case(1, 128, 64, 192, 64, 2, seed=3)
+    kt.sparse_attention_tilelang(q2, kv2, sink2, idx2, 192**-0.5)  # head dim 192: the TileLang forward
+    monkeypatch.setenv("DS41_SPARSE_FWD", "tilelang")
+    out_tl = kt.sparse_attention_tilelang(q, kv, sink, idx, 512**-0.5)
+    assert len(calls) == 1
+    monkeypatch.delenv("DS41_SPARSE_FWD")
+    out_cuda = kt.sparse_attention_tilelang(q, kv, sink, idx, 512**-0.5)
+    assert len(calls) == 2
+    assert rel_err(out_cuda, out_tl) < 5e-3
+    kernel = sparse_attention_cuda.cuda_forward_kernel(256)
+    assert kernel.local_bytes() == 0, "the CUDA forward spills registers"

@@ -1,0 +1,500 @@
+"""CSA2 sparse attention forward for head dim 512 on Hopper, as a hand-written CUDA kernel (sm_90a).
+
+The ``attn: tilelang`` backend uses it for its forward when the head dim is 512 (DeepSeek-V4.1's latent width)
+and the GPU is a Hopper; other shapes, and ``DS41_SPARSE_FWD=tilelang``, take the TileLang forward.  Same
+function and numerics contract as the TileLang forward (``kernels_tilelang._build_attn_fwd``): fp32 online
+softmax in base 2, probabilities rounded to bf16 before P·V, the sink in the denominator only, and the
+base-2 log-sum-exp ``lse2`` that the TileLang backward reuses.
+
+Why CUDA: every per-warpgroup structure tried in TileLang was slower than its cooperative kernel
+(``examples/benchmarks/results/attention_h200.txt``), which is bound by Q·Kᵀ split as two 64×32 tiles
+(shared-memory bound) and by a softmax that both warpgroups wait for.  Here one CTA handles 64 heads of one
+query with three warpgroups:
+
+* warpgroup 2 gathers the selected kv rows with cp.async, two 64-slot blocks at a time (one per math
+  warpgroup), each block in two 256-column halves with their own ready / empty mbarriers;
+* warpgroup w computes S = Q·Kᵀ of its block as a 64×64 tile, the softmax of it, and O's half w
+  (256 columns) for both blocks: P·V of its own block with P in registers, of the peer's block with the
+  peer's P from shared memory.  Row maxima go through shared memory (warpgroup 0 first, then 1), so
+  warpgroup 0 rescales its P once the pair's maximum is known;
+* warpgroup 0 issues the next pair's Q·Kᵀ while its last P·V of the pair runs.
+
+H200, V4.1 shape (s 4096, 64 heads, 640 slots): 0.81 ms, 424 TFLOP/s against 1.07 ms for the TileLang
+forward (``examples/benchmarks/attention.py --kernels``).  The design follows the public description of
+DeepSeek's FlashMLA sparse prefill kernel; the code is ours (CuTe from the CUTLASS headers that TileLang
+ships, compiled with nvcc on first use by ``cuda_module``).
+"""
+
+import ctypes
+import os
+import threading
+
+import torch
+
+from .cuda_module import CudaKernel, compile_cubin
+
+HEAD_DIM = 512
+HEADS_PER_CTA = 64
+SLOTS_PER_PAIR = 128  # two 64-slot blocks, one per math warpgroup: idx is padded to a multiple with empty slots
+# shared memory before the index row: Q 64·512·2 + K 2·64·512·2 + P 2·64·64·2 + maxima and sums 4·64·4
+# + 8 mbarriers; 1 KB more lets the kernel align its buffers to 1024 bytes (the swizzle is on address bits)
+_SMEM_FIXED = 65536 + 131072 + 16384 + 1024 + 64 + 1024
+_SMEM_MAX = 227 * 1024  # Hopper's per-block opt-in limit
+MAX_SLOTS = (_SMEM_MAX - _SMEM_FIXED) // 4 // SLOTS_PER_PAIR * SLOTS_PER_PAIR
+_FLAGS = ("-O3", "--expt-relaxed-constexpr", "-DNDEBUG")
+
+_kernels: dict = {}
+_lock = threading.Lock()
+
+_SOURCE = r"""
+#include <cute/tensor.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+using namespace cute;
+using bf16 = cute::bfloat16_t;
+
+namespace csa2 {
+
+constexpr int D = 512;      // latent width: K = V = kv[idx]
+constexpr int BH = 64;      // heads per CTA (one wgmma M)
+constexpr int BK = 64;      // index slots per block; blocks go in pairs, one per math warpgroup
+constexpr int HALF = D / 2; // each math warpgroup owns half of O's columns
+
+// 64 x 256 bf16, K-major, 128-byte swizzle, as four 64 x 64 tiles one after the other
+using LayoutHalf = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{}, Shape<_64, _256>{}, Step<_1, _2>{}));
+// the same bytes read as V^T: (256 latent columns, 64 slots), latent column contiguous
+using LayoutHalfT =
+    decltype(composition(LayoutHalf{}, make_layout(Shape<_256, _64>{}, Stride<_64, _1>{})));
+using LayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{}, Shape<_64, _64>{}, Step<_1, _2>{}));
+
+using MmaQK = decltype(make_tiled_mma(GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{}));
+using MmaPVreg = decltype(make_tiled_mma(GMMA::MMA_64x256x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>{}));
+using MmaPVsmem = decltype(make_tiled_mma(GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}));
+
+struct alignas(1024) Smem {
+  bf16 q[BH * D];      // Q as two 64 x 256 halves; reused to stage O at the end
+  bf16 k[2][BK * D];   // gathered kv rows of the pair's two blocks, each as two halves
+  bf16 p[2][BH * BK];  // P of warpgroup w, for the other warpgroup's P.V
+  float max_a[BH];     // row max after warpgroup 0's block, for warpgroup 1
+  float max_b[BH];     // row max after both blocks, for warpgroup 0
+  float row_sum[2][BH];
+  uint64_t ready[2][2];  // [block of the pair][half]: the gather landed
+  uint64_t empty[2][2];  // [block][half]: every reader is done, the producer may refill
+  int idx[1];            // the query's index row, `slots` entries (dynamic tail)
+};
+
+// named barriers between the two math warpgroups (0 is __syncthreads)
+enum : int { BAR_Q = 1, BAR_MAX_A = 2, BAR_MAX_B = 3, BAR_P0 = 4, BAR_P1 = 5, BAR_SUM = 6, BAR_O0 = 7, BAR_O1 = 8 };
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void mbar_init(uint64_t* b, int n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(n));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred P;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n @!P bra WAIT;\n}\n" ::"r"(
+          smem_u32(b)),
+      "r"(parity)
+      : "memory");
+}
+// the barrier counts this thread's arrival once all of its earlier cp.async copies have landed
+__device__ __forceinline__ void cp_async_arrive(uint64_t* b) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+// 16 bytes global -> shared; an invalid source reads nothing and fills zeros
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// element offset of (row, col) in a K-major 128-byte-swizzled buffer of 64-column tiles (1024-byte aligned)
+__device__ __forceinline__ int swz(int row, int col) {
+  return (col >> 6) * (64 * 64) + row * 64 + ((((col & 63) >> 3) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// a shared tensor whose address the compiler cannot see through: otherwise it hoists the wgmma descriptors of
+// every k-step out of the loop, keeps them in registers and spills
+template <class Layout>
+__device__ __forceinline__ auto smem_tensor(const bf16* p, Layout layout) {
+  asm volatile("" : "+l"(p));
+  return make_tensor(make_smem_ptr(p), layout);
+}
+
+template <class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& c, bool zero) {
+  warpgroup_arrive();
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    mma.accumulate_ = (zero && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+  }
+}
+
+}  // namespace csa2
+
+using namespace csa2;
+
+// q [b, s, H, 512] bf16, kv [b, n, 512] bf16, idx [b, s, slots] int32 (-1: empty), sink2 [H] fp32 (sink * log2 e)
+// -> o [b, s, H, 512] bf16, lse2 [b, s, H] fp32 (base-2 log-sum-exp of the scaled logits and the sink).
+// grid (s * H / 64, b), 384 threads: warpgroups 0 and 1 compute, warpgroup 2 gathers.  slots % 128 == 0.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    csa2_sparse_attn_fwd_d512(const bf16* __restrict__ q, const bf16* __restrict__ kv, const int* __restrict__ idx,
+                              const float* __restrict__ sink2, bf16* __restrict__ o, float* __restrict__ lse2, int seq,
+                              int n_kv, int heads, int slots, float c) {
+  // the 128-byte swizzle is on address bits, so the buffers need 1024-byte alignment: the launch asks for 1 KB extra
+  extern __shared__ __align__(1024) char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int n_hblk = heads / BH;
+  const int s_i = blockIdx.x / n_hblk, h0 = (blockIdx.x % n_hblk) * BH, b = blockIdx.y;
+  // the warpgroup index through a shuffle, so the compiler knows it is uniform across each warp
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffff, tid / 128, 0), t = tid % 128;
+  const int n_pairs = slots / (2 * BK);
+  const int* idx_row = idx + ((int64_t)b * seq + s_i) * slots;
+
+  if (tid == 0) {
+    for (int i = 0; i < 2; ++i)
+      for (int h = 0; h < 2; ++h) {
+        mbar_init(&sm.ready[i][h], 128);
+        mbar_init(&sm.empty[i][h], 128);
+      }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  for (int i = tid; i < slots; i += 384) sm.idx[i] = idx_row[i];
+  __syncthreads();
+
+  if (wg == 2) {
+    // producer: thread t copies 16-byte chunk j of a 128-byte tile row, for rows g, g + 16, g + 32, g + 48
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    const int j = t % 8, g = t / 8;
+    const bf16* kv_b = kv + (int64_t)b * n_kv * D + j * 8;
+    auto fill = [&](int blk, int buf, int half) __attribute__((always_inline)) {
+      bf16* dst = sm.k[buf] + half * (BK * HALF);
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const int r = g + 16 * i, row = sm.idx[blk * BK + r];
+        const bf16* src = kv_b + (int64_t)max(row, 0) * D + half * HALF;
+        CUTE_UNROLL
+        for (int tile = 0; tile < 4; ++tile) cp_async16(dst + swz(r, tile * 64 + j * 8), src + tile * 64, row >= 0);
+      }
+      cp_async_arrive(&sm.ready[buf][half]);
+    };
+    for (int p = 0; p < n_pairs; ++p) {
+      const uint32_t par = (p & 1) ^ 1;  // a fresh barrier passes the wait on parity 1
+      mbar_wait(&sm.empty[0][0], par);
+      fill(2 * p, 0, 0);
+      mbar_wait(&sm.empty[1][1], par);
+      fill(2 * p + 1, 1, 1);
+      mbar_wait(&sm.empty[0][1], par);
+      fill(2 * p, 0, 1);
+      mbar_wait(&sm.empty[1][0], par);
+      fill(2 * p + 1, 1, 0);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  {  // Q -> shared, swizzled; 256 threads x 16 chunks of 16 bytes
+    const bf16* q_blk = q + (((int64_t)b * seq + s_i) * heads + h0) * D;
+    for (int u = tid; u < BH * D / 8; u += 256) {
+      const int r = u / (D / 8), col = (u % (D / 8)) * 8;
+      cp_async16(sm.q + (col / HALF) * (BH * HALF) + swz(r, col % HALF), q_blk + r * D + col, true);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    fence_async_smem();
+    bar_sync(BAR_Q, 256);
+  }
+
+  MmaQK mma_qk;
+  MmaPVreg mma_pv_reg;
+  MmaPVsmem mma_pv_smem;
+  auto thr_qk = mma_qk.get_slice(t);
+  auto thr_pv_reg = mma_pv_reg.get_slice(t);
+  auto thr_pv_smem = mma_pv_smem.get_slice(t);
+
+  Tensor acc_s = partition_fragment_C(mma_qk, Shape<_64, _64>{});       // 32 fp32: S, then P in fp32
+  Tensor acc_o = partition_fragment_C(mma_pv_reg, Shape<_64, _256>{});  // 128 fp32: this warpgroup's O columns
+  // P in bf16 as the A operand of P.V: the accumulator's element order is the operand's, so element i = P(i)
+  Tensor reg_p = make_tensor<bf16>(partition_shape_A(mma_pv_reg, Shape<_64, _64>{}));
+  Tensor coord = thr_qk.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (head row, slot column) of i
+  clear(acc_o);
+
+  const int row0 = get<0>(coord(0)), row1 = row0 + 8;  // element i is on row0 + 8 * ((i / 2) % 2)
+  float run_max[2] = {-1.0e30f, -1.0e30f};  // running max of the scaled logits (finite: no inf - inf)
+  float run_sum[2] = {0.f, 0.f};            // this warpgroup's partial row sums, relative to run_max
+
+  // acc_s (+)= Q_half K_half^T for this warpgroup's block of pair p, once the producer has landed that half
+  auto qk_half = [&](int p, int half, bool zero) __attribute__((always_inline)) {
+    mbar_wait(&sm.ready[wg][half], p & 1);
+    Tensor tQ = thr_qk.partition_fragment_A(smem_tensor(sm.q + half * (BH * HALF), LayoutHalf{}));
+    Tensor tK = thr_qk.partition_fragment_B(smem_tensor(sm.k[wg] + half * (BK * HALF), LayoutHalf{}));
+    // no operand fence on acc_s here: inside an open wgmma stage a fence counts as a write, and the compiler
+    // then serialises every wgmma; the first k-step of a block zeroes acc_s
+    wgmma(mma_qk, tQ, tK, acc_s, zero);
+    warpgroup_commit_batch();
+  };
+  // V^T operands: this warpgroup's O columns of its own block and of the peer's block; the peer's P
+  auto own_v = [&]() __attribute__((always_inline)) {
+    return thr_pv_reg.partition_fragment_B(smem_tensor(sm.k[wg] + wg * BK * HALF, LayoutHalfT{}));
+  };
+  auto peer_v = [&]() __attribute__((always_inline)) {
+    return thr_pv_smem.partition_fragment_B(smem_tensor(sm.k[wg ^ 1] + wg * BK * HALF, LayoutHalfT{}));
+  };
+  auto peer_p = [&]() __attribute__((always_inline)) {
+    return thr_pv_smem.partition_fragment_A(smem_tensor(sm.p[wg ^ 1], LayoutP{}));
+  };
+  // empty slots to -inf; returns the scaled row maxima of the block (quad-reduced)
+  auto mask_and_max = [&](int blk, float out[2]) __attribute__((always_inline)) {
+    const int* slot_idx = sm.idx + blk * BK;
+    // bit j: slot j of the block holds a key (two ballots per warp instead of a shared read per element)
+    const uint64_t valid = (uint64_t)__ballot_sync(0xffffffff, slot_idx[t % 32] >= 0) |
+                           ((uint64_t)__ballot_sync(0xffffffff, slot_idx[32 + t % 32] >= 0) << 32);
+    if (valid != ~uint64_t(0)) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i)
+        if (!((valid >> get<1>(coord(i))) & 1)) acc_s(i) = -INFINITY;
+    }
+    out[0] = out[1] = -INFINITY;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) out[(i >> 1) & 1] = fmaxf(out[(i >> 1) & 1], acc_s(i));
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      out[h] = fmaxf(out[h], __shfl_xor_sync(0xffffffff, out[h], 1));
+      out[h] = fmaxf(out[h], __shfl_xor_sync(0xffffffff, out[h], 2));
+      out[h] *= c;
+    }
+  };
+  // acc_o *= per-row factor
+  auto rescale_o = [&](const float f[2]) __attribute__((always_inline)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= f[(i >> 1) & 1];
+  };
+  // P = exp2(S c - new_max) in fp32 (acc_s) and bf16 (reg_p); O and the sums rescaled to new_max
+  auto softmax = [&](const float new_max[2]) __attribute__((always_inline)) {
+    float scale[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      scale[h] = exp2f(run_max[h] - new_max[h]);
+      run_sum[h] *= scale[h];
+      run_max[h] = new_max[h];
+    }
+    rescale_o(scale);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) {
+      const int h = (i >> 1) & 1;
+      acc_s(i) = exp2f(fmaf(acc_s(i), c, -new_max[h]));
+      run_sum[h] += acc_s(i);
+      reg_p(i) = bf16(acc_s(i));
+    }
+  };
+  // reg_p -> shared (K-major 64 x 64, swizzled), a pair of columns per store
+  auto store_p = [&](bf16* dst) __attribute__((always_inline)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(reg_p); i += 2) {
+      const int r = get<0>(coord(i)), col = get<1>(coord(i));
+      *reinterpret_cast<uint32_t*>(dst + swz(r, col)) = *reinterpret_cast<const uint32_t*>(&reg_p(i));
+    }
+    fence_async_smem();
+  };
+  auto put_max = [&](float* dst, const float m[2]) __attribute__((always_inline)) {
+    if (t % 4 == 0) {
+      dst[row0] = m[0];
+      dst[row1] = m[1];
+    }
+  };
+
+  // one loop per warpgroup: a loop that switched roles inside would let the compiler see a path with an
+  // accumulator written while the other role's wgmma is in flight, and it then serialises every wgmma
+  float blk_max[2], new_max[2];
+  if (wg == 0) {
+    if (n_pairs > 0) {
+      qk_half(0, 0, true);
+      qk_half(0, 1, false);
+      warpgroup_wait<0>();
+    }
+    for (int p = 0; p < n_pairs; ++p) {
+      warpgroup_fence_operand(acc_s);  // S of block 2p
+      mask_and_max(2 * p, blk_max);
+      new_max[0] = fmaxf(run_max[0], blk_max[0]);
+      new_max[1] = fmaxf(run_max[1], blk_max[1]);
+      softmax(new_max);
+      put_max(sm.max_a, new_max);
+      bar_arrive(BAR_MAX_A, 256);
+      warpgroup_fence_operand(reg_p);
+      warpgroup_fence_operand(acc_o);
+      wgmma(mma_pv_reg, reg_p, own_v(), acc_o, false);  // O_left += P0 V0_left
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      mbar_arrive(&sm.empty[0][0]);
+      bar_sync(BAR_MAX_B, 256);  // warpgroup 1 has the pair's max
+      float fix[2];
+      fix[0] = exp2f(run_max[0] - sm.max_b[row0]);
+      fix[1] = exp2f(run_max[1] - sm.max_b[row1]);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) reg_p(i) = bf16(acc_s(i) * fix[(i >> 1) & 1]);
+      store_p(sm.p[0]);
+      bar_arrive(BAR_P0, 256);
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        run_sum[h] *= fix[h];
+        run_max[h] = sm.max_b[h ? row1 : row0];
+      }
+      rescale_o(fix);
+      bar_sync(BAR_P1, 256);
+      warpgroup_fence_operand(acc_o);
+      wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_left += P1 V1_left
+      warpgroup_commit_batch();
+      if (p + 1 < n_pairs) {  // the next pair's S, its left half while P1 V1_left runs
+        qk_half(p + 1, 0, true);
+        warpgroup_wait<1>();
+        mbar_arrive(&sm.empty[1][0]);
+        qk_half(p + 1, 1, false);
+      } else {
+        warpgroup_wait<0>();
+        mbar_arrive(&sm.empty[1][0]);
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+    }
+    warpgroup_fence_operand(acc_o);
+  } else {
+    for (int p = 0; p < n_pairs; ++p) {
+      qk_half(p, 1, true);  // the producer lands warpgroup 1's right half first
+      qk_half(p, 0, false);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      mask_and_max(2 * p + 1, blk_max);
+      bar_sync(BAR_MAX_A, 256);
+      new_max[0] = fmaxf(sm.max_a[row0], blk_max[0]);
+      new_max[1] = fmaxf(sm.max_a[row1], blk_max[1]);
+      softmax(new_max);
+      put_max(sm.max_b, new_max);
+      bar_arrive(BAR_MAX_B, 256);
+      warpgroup_fence_operand(reg_p);
+      warpgroup_fence_operand(acc_o);
+      wgmma(mma_pv_reg, reg_p, own_v(), acc_o, false);  // O_right += P1 V1_right
+      warpgroup_commit_batch();
+      store_p(sm.p[1]);
+      bar_arrive(BAR_P1, 256);
+      bar_sync(BAR_P0, 256);
+      wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_right += P0 V0_right
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      mbar_arrive(&sm.empty[1][1]);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      mbar_arrive(&sm.empty[0][1]);
+    }
+  }
+  // (warpgroup 0's last S was waited for inside the loop; the final wait<0> drained its P.V)
+
+  // row sums: over the quad, then over the two warpgroups; the sink joins the denominator only
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 1);
+    run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 2);
+  }
+  if (t % 4 == 0) {
+    sm.row_sum[wg][row0] = run_sum[0];
+    sm.row_sum[wg][row1] = run_sum[1];
+  }
+  bar_sync(BAR_SUM, 256);
+  float out_scale[2];
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const int r = h ? row1 : row0;
+    const float l = sm.row_sum[0][r] + sm.row_sum[1][r], s2 = sink2[h0 + r];
+    const float top = fmaxf(run_max[h], s2), a = exp2f(run_max[h] - top);
+    const float total = l * a + exp2f(s2 - top);
+    out_scale[h] = a / total;
+    if (wg == 1 && t % 4 == 0) lse2[((int64_t)b * seq + s_i) * heads + h0 + r] = top + log2f(total);
+  }
+  // O -> bf16 -> shared (Q's buffer, free now: every Q K^T has completed) -> global in 16-byte rows
+  bf16* stage = sm.q + wg * (BH * HALF);
+  Tensor coord_o = thr_pv_reg.partition_C(make_identity_tensor(Shape<_64, _256>{}));
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_o); i += 2) {
+    const int r = get<0>(coord_o(i)), col = get<1>(coord_o(i));
+    const float sc = out_scale[(i >> 1) & 1];
+    __nv_bfloat162 v = __floats2bfloat162_rn(acc_o(i) * sc, acc_o(i + 1) * sc);
+    *reinterpret_cast<__nv_bfloat162*>(stage + swz(r, col)) = v;
+  }
+  bar_sync(wg ? BAR_O1 : BAR_O0, 128);
+  bf16* o_blk = o + (((int64_t)b * seq + s_i) * heads + h0) * D + wg * HALF;
+  for (int u = t; u < BH * HALF / 8; u += 128) {
+    const int r = u / (HALF / 8), col = (u % (HALF / 8)) * 8;
+    *reinterpret_cast<uint4*>(o_blk + r * D + col) = *reinterpret_cast<const uint4*>(stage + swz(r, col));
+  }
+}
+"""
+
+
+def _cutlass_include() -> str:
+    # CuTe / CUTLASS headers: TileLang's wheel carries them (the backend needs TileLang anyway)
+    try:
+        import tilelang
+    except ImportError as err:
+        raise RuntimeError("the CUDA sparse-attention forward needs the CUTLASS headers that tilelang ships: "
+                           "pip install 'deepseek_v41[gpu]'") from err
+    path = os.path.join(os.path.dirname(tilelang.__file__), "3rdparty", "cutlass", "include")
+    if not os.path.isfile(os.path.join(path, "cute", "tensor.hpp")):
+        raise RuntimeError(f"the CUDA sparse-attention forward needs CuTe headers; none under {path}")
+    return path
+
+
+def cuda_forward_usable(d: int, slots: int, device: torch.device) -> bool:
+    """Whether ``sparse_attention_forward_cuda`` handles this shape on this device (else: TileLang)."""
+    if os.environ.get("DS41_SPARSE_FWD", "cuda") == "tilelang":
+        return False
+    if device.type != "cuda" or d != HEAD_DIM or slots > MAX_SLOTS:
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def cuda_forward_kernel(slots_padded: int) -> CudaKernel:
+    """The compiled kernel for index rows of ``slots_padded`` slots (a multiple of 128), built once."""
+    with _lock:
+        kernel = _kernels.get(slots_padded)
+        if kernel is None:
+            cubin = compile_cubin(_SOURCE, [_cutlass_include()], arch="sm_90a", flags=_FLAGS)
+            kernel = CudaKernel(cubin, "csa2_sparse_attn_fwd_d512", _SMEM_FIXED + 4 * slots_padded)
+            _kernels[slots_padded] = kernel
+        return kernel
+
+
+def sparse_attention_forward_cuda(
+    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink2: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [b, s, H, 512] bf16 and lse2 [b, s, H] fp32 for q [b, s, H, 512] bf16 (H a multiple of 64),
+    kv [b, n, 512] bf16, idx [b, s, k] int32 (-1 = empty slot, else a row of kv in [0, n)),
+    sink2 [H] fp32 (the sink times log2 e), softmax scale ``scale``; all contiguous on one GPU."""
+    b, s, h, d = q.shape
+    k = idx.shape[2]
+    if d != HEAD_DIM or h % HEADS_PER_CTA or kv.shape[2] != d or not (q.is_contiguous() and kv.is_contiguous()):
+        raise ValueError(
+            f"sparse_attention_forward_cuda needs contiguous q [b, s, H, 512] with H % 64 == 0 and kv [b, n, 512]; "
+            f"got q {tuple(q.shape)}, kv {tuple(kv.shape)}"
+        )
+    kp = -(-k // SLOTS_PER_PAIR) * SLOTS_PER_PAIR
+    if kp > MAX_SLOTS:
+        raise ValueError(f"sparse_attention_forward_cuda takes at most {MAX_SLOTS} index slots, got {k}")
+    if kp == k and idx.dtype == torch.int32 and idx.is_contiguous():
+        idxp = idx
+    else:  # empty slots up to a whole pair of blocks (exact: they get P = 0)
+        idxp = torch.full((b, s, kp), -1, dtype=torch.int32, device=q.device)
+        idxp[:, :, :k] = idx
+    o = torch.empty_like(q)
+    lse2 = torch.empty((b, s, h), dtype=torch.float32, device=q.device)
+    if b * s == 0:
+        return o, lse2
+    args = [q, kv, idxp, sink2.float().contiguous(), o, lse2, ctypes.c_int32(s), ctypes.c_int32(kv.shape[1]),
+            ctypes.c_int32(h), ctypes.c_int32(kp), ctypes.c_float(scale * 1.4426950408889634)]
+    cuda_forward_kernel(kp).launch((s * (h // HEADS_PER_CTA), b, 1), (384, 1, 1), args)
+    return o, lse2

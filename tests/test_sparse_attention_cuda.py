@@ -1,0 +1,61 @@
+"""The CUDA sparse-attention forward's dispatch rule and input errors (CPU; the kernel itself is tested in
+tests/gpu/test_tilelang_attention.py)."""
+
+import pytest
+import torch
+
+from deepseek_v41 import sparse_attention_cuda as sac
+
+
+def test_usable_only_for_head_dim_512_on_a_gpu_and_not_when_told_otherwise(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not sac.cuda_forward_usable(512, 640, cpu)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        gpu = torch.device("cuda")
+        assert sac.cuda_forward_usable(512, 640, gpu)
+        assert not sac.cuda_forward_usable(192, 640, gpu)
+        assert not sac.cuda_forward_usable(512, sac.MAX_SLOTS + 128, gpu)
+        monkeypatch.setenv("DS41_SPARSE_FWD", "tilelang")
+        assert not sac.cuda_forward_usable(512, 640, gpu)
+
+
+def test_slot_limit_follows_the_shared_memory_budget():
+    # the index row is staged in shared memory after 215104 fixed bytes, within Hopper's 227 KB
+    assert sac.MAX_SLOTS % sac.SLOTS_PER_PAIR == 0
+    assert sac._SMEM_FIXED + 4 * sac.MAX_SLOTS <= 227 * 1024 < sac._SMEM_FIXED + 4 * (sac.MAX_SLOTS + 128)
+    assert sac.MAX_SLOTS >= 128 + 2048  # a window plus a top-k of 2048 fits
+
+
+def test_bad_shapes_are_refused_with_the_reason():
+    q = torch.zeros(1, 2, 64, 256, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 3, 256, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 2, 128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="H % 64 == 0"):
+        sac.sparse_attention_forward_cuda(q, kv, idx, torch.zeros(64), 0.1)
+    q = torch.zeros(1, 2, 48, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"q \(1, 2, 48, 512\)"):
+        sac.sparse_attention_forward_cuda(q, torch.zeros(1, 3, 512, dtype=torch.bfloat16), idx, torch.zeros(48), 0.1)
+    q = torch.zeros(1, 2, 64, 512, dtype=torch.bfloat16)
+    big = torch.zeros(1, 2, sac.MAX_SLOTS + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most"):
+        sac.sparse_attention_forward_cuda(q, torch.zeros(1, 3, 512, dtype=torch.bfloat16), big, torch.zeros(64), 0.1)
+
+
+def test_the_source_compiles_without_spills_or_serialised_wgmma(tmp_path):
+    # needs nvcc and the CUTLASS headers tilelang ships; ptxas reports spills and wgmma serialisation
+    import subprocess
+
+    from deepseek_v41.cuda_module import find_nvcc
+
+    try:
+        nvcc, include = find_nvcc(), sac._cutlass_include()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    src = tmp_path / "fwd.cu"
+    src.write_text(sac._SOURCE)
+    cmd = [nvcc, "-cubin", "-std=c++17", *sac._FLAGS, "-gencode", "arch=compute_90a,code=sm_90a", f"-I{include}",
+           "-Xptxas", "-v", "-o", str(tmp_path / "fwd.cubin"), str(src)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "0 bytes spill stores" in res.stderr, res.stderr[-3000:]
+    assert "Potential Performance Loss" not in res.stderr, res.stderr[-3000:]
