@@ -19,10 +19,15 @@ query with three warpgroups:
   warpgroup 0 rescales its P once the pair's maximum is known;
 * warpgroup 0 issues the next pair's Q·Kᵀ while its last P·V of the pair runs.
 
-H200, V4.1 shape (s 4096, 64 heads, 640 slots): 0.81 ms, 424 TFLOP/s against 1.07 ms for the TileLang
-forward (``examples/benchmarks/attention.py --kernels``).  The design follows the public description of
-DeepSeek's FlashMLA sparse prefill kernel; the code is ours (CuTe from the CUTLASS headers that TileLang
-ships, compiled with nvcc on first use by ``cuda_module``).
+H200, V4.1 shape (s 4096, 64 heads, 640 slots): 0.81-0.84 ms, 409-424 TFLOP/s, 1.24-1.31x the TileLang
+forward measured in the same runs (``examples/benchmarks/attention.py --kernels``).  About 2 µs per 64-slot
+block and multiprocessor, plus ~7 µs per CTA for the pipeline's ramp at each query (a persistent version did
+not remove it: ``results/attention_h200.txt``); at 2048+ slots it runs at 510-530 TFLOP/s.
+
+The design follows the public description of DeepSeek's FlashMLA sparse prefill kernel; the code is ours
+(CuTe from the CUTLASS headers that TileLang ships, compiled with nvcc on first use by ``cuda_module``).
+The compiled kernel has no register spills and no serialised wgmma (ptxas reports both; a CPU test checks
+where nvcc and the headers exist): the comments in the source say which constructs would bring them back.
 """
 
 import ctypes
