@@ -46,7 +46,7 @@ SLOTS_PER_PAIR = 128  # two 64-slot blocks, one per math warpgroup: idx is padde
 _SMEM_FIXED = 65536 + 131072 + 16384 + 1024 + 64 + 1024
 _SMEM_MAX = 227 * 1024  # Hopper's per-block opt-in limit
 MAX_SLOTS = (_SMEM_MAX - _SMEM_FIXED) // 4 // SLOTS_PER_PAIR * SLOTS_PER_PAIR
-_FLAGS = ("-O3", "--expt-relaxed-constexpr", "-DNDEBUG")
+_FLAGS: tuple[str, ...] = ()  # cuda_module compiles with -O3 -DNDEBUG --expt-relaxed-constexpr
 
 _kernels: dict = {}
 _lock = threading.Lock()

@@ -53,8 +53,9 @@ def test_the_source_compiles_without_spills_or_serialised_wgmma(tmp_path):
         pytest.skip(str(err))
     src = tmp_path / "fwd.cu"
     src.write_text(sac._SOURCE)
-    cmd = [nvcc, "-cubin", "-std=c++17", *sac._FLAGS, "-gencode", "arch=compute_90a,code=sm_90a", f"-I{include}",
-           "-Xptxas", "-v", "-o", str(tmp_path / "fwd.cubin"), str(src)]
+    cmd = [nvcc, "-cubin", "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", *sac._FLAGS,
+           "-gencode", "arch=compute_90a,code=sm_90a", f"-I{include}", "-Xptxas", "-v",
+           "-o", str(tmp_path / "fwd.cubin"), str(src)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "0 bytes spill stores" in res.stderr, res.stderr[-3000:]
