@@ -307,16 +307,26 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
     fence_async_smem();
   };
-  auto put_max = [&](float* dst, const float m[2]) __attribute__((always_inline)) {
+  // the block's softmax against the running max `prev` (this warpgroup's, or warpgroup 0's from shared
+  // memory), its max published for the peer, and O += P V of this warpgroup's own block (P from registers)
+  auto softmax_publish_own_pv = [&](const float prev[2], const float blk_max[2], float* publish, int bar)
+      __attribute__((always_inline)) {
+    float new_max[2] = {fmaxf(prev[0], blk_max[0]), fmaxf(prev[1], blk_max[1])};
+    softmax(new_max);
     if (t % 4 == 0) {
-      dst[row0] = m[0];
-      dst[row1] = m[1];
+      publish[row0] = new_max[0];
+      publish[row1] = new_max[1];
     }
+    bar_arrive(bar, 256);
+    warpgroup_fence_operand(reg_p);
+    warpgroup_fence_operand(acc_o);
+    wgmma(mma_pv_reg, reg_p, own_v(), acc_o, false);
+    warpgroup_commit_batch();
   };
 
   // one loop per warpgroup: a loop that switched roles inside would let the compiler see a path with an
   // accumulator written while the other role's wgmma is in flight, and it then serialises every wgmma
-  float blk_max[2], new_max[2];
+  float blk_max[2];
   if (wg == 0) {
     if (n_pairs > 0) {
       qk_half(0, 0, true);
@@ -326,15 +336,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     for (int p = 0; p < n_pairs; ++p) {
       warpgroup_fence_operand(acc_s);  // S of block 2p
       mask_and_max(2 * p, blk_max);
-      new_max[0] = fmaxf(run_max[0], blk_max[0]);
-      new_max[1] = fmaxf(run_max[1], blk_max[1]);
-      softmax(new_max);
-      put_max(sm.max_a, new_max);
-      bar_arrive(BAR_MAX_A, 256);
-      warpgroup_fence_operand(reg_p);
-      warpgroup_fence_operand(acc_o);
-      wgmma(mma_pv_reg, reg_p, own_v(), acc_o, false);  // O_left += P0 V0_left
-      warpgroup_commit_batch();
+      softmax_publish_own_pv(run_max, blk_max, sm.max_a, BAR_MAX_A);  // O_left += P0 V0_left
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       mbar_arrive(&sm.empty[0][0]);
@@ -377,15 +379,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       warpgroup_fence_operand(acc_s);
       mask_and_max(2 * p + 1, blk_max);
       bar_sync(BAR_MAX_A, 256);
-      new_max[0] = fmaxf(sm.max_a[row0], blk_max[0]);
-      new_max[1] = fmaxf(sm.max_a[row1], blk_max[1]);
-      softmax(new_max);
-      put_max(sm.max_b, new_max);
-      bar_arrive(BAR_MAX_B, 256);
-      warpgroup_fence_operand(reg_p);
-      warpgroup_fence_operand(acc_o);
-      wgmma(mma_pv_reg, reg_p, own_v(), acc_o, false);  // O_right += P1 V1_right
-      warpgroup_commit_batch();
+      const float max_a[2] = {sm.max_a[row0], sm.max_a[row1]};
+      softmax_publish_own_pv(max_a, blk_max, sm.max_b, BAR_MAX_B);  // O_right += P1 V1_right
       store_p(sm.p[1]);
       bar_arrive(BAR_P1, 256);
       bar_sync(BAR_P0, 256);
