@@ -50,7 +50,12 @@ import threading
 
 import torch
 
-from .sparse_attention_cuda import cuda_forward_kernel, cuda_forward_usable, sparse_attention_forward_cuda
+from .sparse_attention_cuda import (
+    cuda_forward_kernel,
+    cuda_forward_usable,
+    padded_slots,
+    sparse_attention_forward_cuda,
+)
 
 try:
     import tilelang
@@ -588,7 +593,7 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
             kp = -(-spec["k"] // SLOTS_PER_BLOCK) * SLOTS_PER_BLOCK
             shape = (spec["b"], spec["s"], spec["n"], hp, spec["d"], kp, spec["scale"])
             if cuda_forward_usable(spec["d"], kp, device):
-                cuda_forward_kernel(kp)
+                cuda_forward_kernel(padded_slots(kp))
             else:
                 _attn_fwd_kernel(*shape, dev)
             count += 1 + len(_attn_bwd_kernels(*shape, dev))

@@ -449,11 +449,16 @@ def _cutlass_include() -> str:
     return path
 
 
+def padded_slots(k: int) -> int:
+    """Index slots the kernel runs on for ``k`` slots: a whole number of pairs of 64-slot blocks."""
+    return -(-k // SLOTS_PER_PAIR) * SLOTS_PER_PAIR
+
+
 def cuda_forward_usable(d: int, slots: int, device: torch.device) -> bool:
     """Whether ``sparse_attention_forward_cuda`` handles this shape on this device (else: TileLang)."""
     if os.environ.get("DS41_SPARSE_FWD", "cuda") == "tilelang":
         return False
-    if device.type != "cuda" or d != HEAD_DIM or slots > MAX_SLOTS:
+    if device.type != "cuda" or d != HEAD_DIM or padded_slots(slots) > MAX_SLOTS:
         return False
     return torch.cuda.get_device_capability(device) == (9, 0)
 
@@ -482,7 +487,7 @@ def sparse_attention_forward_cuda(
             f"sparse_attention_forward_cuda needs contiguous q [b, s, H, 512] with H % 64 == 0 and kv [b, n, 512]; "
             f"got q {tuple(q.shape)}, kv {tuple(kv.shape)}"
         )
-    kp = -(-k // SLOTS_PER_PAIR) * SLOTS_PER_PAIR
+    kp = padded_slots(k)
     if kp > MAX_SLOTS:
         raise ValueError(f"sparse_attention_forward_cuda takes at most {MAX_SLOTS} index slots, got {k}")
     if kp == k and idx.dtype == torch.int32 and idx.is_contiguous():

@@ -24,6 +24,7 @@ def test_slot_limit_follows_the_shared_memory_budget():
     assert sac.MAX_SLOTS % sac.SLOTS_PER_PAIR == 0
     assert sac._SMEM_FIXED + 4 * sac.MAX_SLOTS <= 227 * 1024 < sac._SMEM_FIXED + 4 * (sac.MAX_SLOTS + 128)
     assert sac.MAX_SLOTS >= 128 + 2048  # a window plus a top-k of 2048 fits
+    assert [sac.padded_slots(k) for k in (128, 192, 640, 641)] == [128, 256, 640, 768]
 
 
 def test_bad_shapes_are_refused_with_the_reason():
