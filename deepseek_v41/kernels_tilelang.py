@@ -51,6 +51,7 @@ import threading
 import torch
 
 from .sparse_attention_cuda import (
+    LOG2E,
     cuda_forward_kernel,
     cuda_forward_usable,
     padded_slots,
@@ -64,7 +65,6 @@ except ImportError:  # optional GPU dependency: pip install 'deepseek_v41[gpu]'
     tilelang = None
     T = None
 
-LOG2E = 1.4426950408889634
 HEADS_PER_BLOCK = 64  # one warpgroup MMA is 64 rows: a block handles 64 heads of one query
 SLOTS_PER_BLOCK = 64  # index slots gathered per pipeline step (idx is padded to a multiple)
 

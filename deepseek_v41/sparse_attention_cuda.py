@@ -38,6 +38,7 @@ import torch
 
 from .cuda_module import CudaKernel, compile_cubin
 
+LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x·log2 e)
 HEAD_DIM = 512
 HEADS_PER_CTA = 64
 SLOTS_PER_PAIR = 128  # two 64-slot blocks, one per math warpgroup: idx is padded to a multiple with empty slots
@@ -500,6 +501,6 @@ def sparse_attention_forward_cuda(
     if b * s == 0:
         return o, lse2
     args = [q, kv, idxp, sink2.float().contiguous(), o, lse2, ctypes.c_int32(s), ctypes.c_int32(kv.shape[1]),
-            ctypes.c_int32(h), ctypes.c_int32(kp), ctypes.c_float(scale * 1.4426950408889634)]
+            ctypes.c_int32(h), ctypes.c_int32(kp), ctypes.c_float(scale * LOG2E)]
     cuda_forward_kernel(kp).launch((s * (h // HEADS_PER_CTA), b, 1), (384, 1, 1), args)
     return o, lse2
