@@ -93,6 +93,8 @@ DEFAULTS = {
         "save_every_steps": 0,  # training checkpoint every N updates and at the end; 0 = never
         "dir": None,  # None = <output_dir>/checkpoints
         "resume_from": None,  # None | a step_* folder | "latest" (the newest complete one, if any)
+        "async_save": False,  # write in a background thread while training continues (stages shards in RAM)
+        "keep_last": 0,  # keep the newest N complete step_* folders; 0 = keep all
     },
     "wandb": {
         "enable": False,
@@ -260,6 +262,11 @@ def validate_recipe(recipe: dict) -> None:
     every = ckpt["save_every_steps"]
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise RecipeError(f"checkpoint.save_every_steps={every!r}; give a whole number of updates (0 = never save)")
+    if not isinstance(ckpt["async_save"], bool):
+        raise RecipeError(f"checkpoint.async_save={ckpt['async_save']!r}; give true or false")
+    keep = ckpt["keep_last"]
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise RecipeError(f"checkpoint.keep_last={keep!r}; give a whole number of step folders (0 = keep all)")
     for key, accepted in (("dir", "a folder path or null"), ("resume_from", "a step_* folder path, latest or null")):
         if ckpt[key] is not None and (not isinstance(ckpt[key], str) or not ckpt[key]):
             raise RecipeError(f"checkpoint.{key}={ckpt[key]!r}; give {accepted}")
