@@ -84,39 +84,68 @@ def test_checkpoint_holds_global_shapes_and_int16_remainders(saved):
     assert bool(state[name].any()) and int(state["optim.layers.1.ffn.experts.w1.step"]) == 3
 
 
+def full_state(folder) -> dict:
+    """Every tensor of a DCP folder at its global shape (one process, no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from deepseek_v41.training.checkpointing import SafeReader, read_dcp_metadata
+
+    md = read_dcp_metadata(folder).state_dict_metadata
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()}
+    dcp.load(state, storage_reader=SafeReader(folder), no_dist=True)
+    return state
+
+
 @pytest.mark.parametrize("world", [1, 4])
 def test_resume_at_another_layout_reshards(saved, world):
-    """Saved at world 2 (EP 2, owners 2), resumed at world 1 / world 4 (EP 4, owners 4): steps 3-4 match."""
+    """Saved at world 2 (EP 2, owners 2), resumed at world 1 / world 4 (EP 4, owners 4).
+
+    Exact: the state loaded at the new layout, saved again there, equals the saved state bit for bit (weights,
+    moments, int16 remainders, steps), and the first update's loss (computed from that state) matches to 1e-5.
+    The next loss matches to 1e-2 only: that update's gradients are computed at another layout (routed-expert
+    gradients are bf16 sums over a different number of micro-batches and all-to-all groupings), which any two
+    runs at different layouts share; it is not the checkpoint (the state round trip above is exact).
+    """
+    import torch
+
     tmp, root = saved
     out = tmp / f"W{world}"
-    result = launch(tmp, out, f"--checkpoint.resume_from={root / 'step_00000002'}", world=world)
+    result = launch(tmp, out, f"--checkpoint.resume_from={root / 'step_00000002'}", world=world,
+                    worker="resave_after_resume")
     assert "at step 2" in result.stdout
+    before, after = full_state(root / "step_00000002"), full_state(out / "checkpoints" / "step_00000002")
+    assert sorted(before) == sorted(after)
+    assert any(k.endswith(".remainder") for k in before)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
     ref, got = losses(tmp / "A"), losses(out)
     assert sorted(got) == [3, 4]
-    for step in (3, 4):
-        assert abs(got[step] - ref[step]) < 1e-5, (world, step, got[step], ref[step])
+    assert abs(got[3] - ref[3]) < 1e-5 and abs(got[4] - ref[4]) < 1e-2, (world, got, ref)
 
 
-def test_kill_during_save_then_latest_resumes_bit_identically(saved):
-    """Same layout: resume step 2, save 3, SIGKILL inside the commit of step 4; then ``latest`` picks step 3
-    (the metrics file ends in a truncated line) and steps 3 and 4 equal the straight run's bit for bit."""
+def test_latest_resumes_bit_identically_and_kill_during_save_leaves_the_previous_step(saved):
+    """Same layout: ``latest`` over copies of steps 2 and 3 picks step 3 (the metrics file ends in a truncated
+    line, issue 24's hang reproduction); step 4 equals the straight run's bit for bit; then a SIGKILL inside
+    the commit of step 4 leaves a ``.tmp`` folder that ``latest`` passes over for step 3."""
+    from deepseek_v41.training.checkpointing import latest_checkpoint
+
     tmp, root = saved
     out = tmp / "E"
-    killed = launch(tmp, out, f"--checkpoint.resume_from={root / 'step_00000002'}",
-                    "--checkpoint.save_every_steps=1", worker="kill_at_commit_4", check=False)
-    assert killed.returncode != 0 and "SIGKILL" in killed.stdout + killed.stderr
     ckpts = out / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000003", "step_00000004.tmp"]
-    assert not (ckpts / "step_00000004.tmp" / "meta.json").exists()
+    for step in (2, 3):
+        shutil.copytree(root / f"step_{step:08d}", ckpts / f"step_{step:08d}")
+    straight = (tmp / "A" / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(straight[:3]) + '\n{"step": 4, "lo')
+    killed = launch(tmp, out, "--checkpoint.resume_from=latest", "--checkpoint.save_every_steps=1",
+                    worker="kill_at_commit_4", check=False)
+    assert killed.returncode != 0 and "SIGKILL during the save of step 4" in killed.stdout, killed.stderr[-3000:]
+    assert f"resumed from {ckpts / 'step_00000003'} at step 3" in killed.stdout
+    assert "line 4 is incomplete" in killed.stdout
+    assert losses(out) == losses(tmp / "A")  # steps 1-3 kept, step 4 recomputed bit for bit
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000003", "step_00000004.tmp"]
     assert any(ckpts.glob("step_00000004.tmp/*.distcp"))  # the data was written, the commit was not
-    first = losses(out)
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": 5, "lo')  # issue 24 #2: a truncated last line, then resume
-    resumed = launch(tmp, out, "--checkpoint.resume_from=latest")
-    assert f"resumed from {ckpts / 'step_00000003'} at step 3" in resumed.stdout
-    assert "line 3 is incomplete" in resumed.stdout
-    ref = losses(tmp / "A")
-    assert first[3] == ref[3] and losses(out) == {3: ref[3], 4: ref[4]}
+    assert latest_checkpoint(ckpts) == ckpts / "step_00000003"
 
 
 def test_one_failing_rank_ends_every_rank_promptly(tmp_path):
@@ -255,6 +284,15 @@ def _worker(case: str, argv: list) -> None:
             return commit(self, tmp, final, meta)
 
         checkpointing.Checkpointer.commit = commit_or_die
+    elif case == "resave_after_resume":  # save the state just loaded (at this layout), then train on
+        resume = loop.Trainer._resume
+
+        def resume_and_save(self):
+            step = resume(self)
+            self.checkpointer.save(step)
+            return step
+
+        loop.Trainer._resume = resume_and_save
     elif case == "fail_on_rank1":  # rank 0 then waits in an all-reduce that rank 1 never joins
         class FailingTrainer:
             def __init__(self, recipe):

@@ -39,6 +39,7 @@ import pickle
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -323,10 +324,11 @@ class Checkpointer:
         cfg = trainer.recipe["checkpoint"]
         self.root = checkpoint_root(trainer.recipe)
         self.async_save, self.keep_last = cfg["async_save"], cfg["keep_last"]
-        self.pending = None  # (future, step) of the async save in flight
-        self.errors = []  # failures of background commits, raised at the next wait()
-        # Background saves run their collectives on their own group, never interleaved with training's.
+        self.pending = None  # the async save in flight: its write, then (rank 0) its commit
+        # Background saves run their collectives on their own group, never interleaved with training's,
+        # and on one worker thread, so the commit of step N always precedes the write of step N + 1.
         self.group = dist.new_group(backend="gloo") if self.async_save else None
+        self.worker = ThreadPoolExecutor(max_workers=1) if self.async_save else None
 
     def save(self, step: int) -> None:
         """Collective.  Returns once this step's write has started (async) or is committed (sync)."""
@@ -349,21 +351,17 @@ class Checkpointer:
         state = training_state(t)
         state["step"] = torch.tensor(step)
         if self.async_save:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-            if t.rank == 0:
-                future.add_done_callback(lambda f: self._commit_after(f, tmp, final, meta))
-            self.pending = future
+            written = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            self.pending = self.worker.submit(self._commit_after, written, tmp, final, meta)
         else:
             dcp.save(state, storage_writer=writer)
             if t.rank == 0:
                 self.commit(tmp, final, meta)
 
-    def _commit_after(self, future, tmp, final, meta):
-        try:
-            future.result()
+    def _commit_after(self, written, tmp, final, meta) -> None:
+        written.result()  # rank 0's write returns once every rank's files and .metadata are written
+        if self.trainer.rank == 0:
             self.commit(tmp, final, meta)
-        except BaseException as err:  # raised on the training thread at the next wait()
-            self.errors.append(err)
 
     def commit(self, tmp: Path, final: Path, meta: dict) -> None:
         """Rank 0, after every rank's files are written: meta.json, fsync, atomic rename, prune."""
@@ -396,11 +394,9 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the async save in flight is written and committed; re-raise its failure."""
         if self.pending is not None:
-            self.pending.result()
-            self.pending = None
-            dist.barrier()  # rank 0's commit runs after its own write: wait for it everywhere
-        if self.errors:
-            raise RuntimeError(f"saving a checkpoint under {self.root} failed") from self.errors.pop()
+            pending, self.pending = self.pending, None
+            pending.result()
+            dist.barrier()  # rank 0's commit is done before any rank starts the next save or exits
 
     # ---- load --------------------------------------------------------------------------------------
     @torch.no_grad()
