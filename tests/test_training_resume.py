@@ -228,6 +228,21 @@ def test_changed_recipe_is_refused_but_changed_layout_is_not(saved):
             ck.resolve_resume(_recipe(tmp, **{"checkpoint.resume_from": folder, key: value}))
 
 
+def test_keep_last_never_prunes_the_step_resumed_from(tmp_path):
+    from deepseek_v41.training.checkpointing import Checkpointer
+
+    for step in (1, 2, 3, 4):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "meta.json").write_text("{}")
+    (tmp_path / "step_00000002_backup").mkdir()  # not ours: never touched
+    checkpointer = object.__new__(Checkpointer)
+    checkpointer.root, checkpointer.keep_last = tmp_path, 2
+    resumed = Path(os.path.relpath(tmp_path / "step_00000001"))  # given as a relative path
+    checkpointer.prune(keep={tmp_path / "step_00000004", resumed})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000001", "step_00000002_backup", "step_00000003", "step_00000004"]
+
+
 def test_metadata_pickle_allows_only_dcp_classes(tmp_path):
     import pickle
 

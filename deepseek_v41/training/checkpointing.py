@@ -267,10 +267,12 @@ def training_state(trainer, optimizer_keys=None) -> dict:
     state = {}
     for name, t in trainer.model.state_dict(keep_vars=True).items():
         state[f"model.{name}"] = t.detach() if isinstance(t, DTensor) else views.get(t, lambda x: x)(t.detach())
-    group = trainer.optimizer.param_groups[0]
+    groups = {p: group for group in trainer.optimizer.param_groups for p in group["params"]}
     for name, p in trainer.model.named_parameters():
         if optimizer_keys is not None and f"optim.{name}.step" in optimizer_keys:
-            trainer.optimizer._state(p, _local(p), group)
+            if p not in groups:
+                raise RecipeError(f"the checkpoint has optimizer state for {name}, which this run does not train")
+            trainer.optimizer._state(p, _local(p), groups[p])
         saved = trainer.optimizer.state.get(p)
         if not saved:
             continue
@@ -387,8 +389,9 @@ class Checkpointer:
             return
         steps = sorted((p for p in self.root.iterdir() if STEP_NAME.fullmatch(p.name) and (p / META).is_file()),
                        key=lambda p: p.name, reverse=True)
+        keep = {Path(p).resolve() for p in keep if p is not None}
         for old in steps[self.keep_last:]:
-            if old not in keep:
+            if old.resolve() not in keep:
                 shutil.rmtree(old)
 
     def wait(self) -> None:
