@@ -20,7 +20,7 @@ from deepseek_v41.checkpoint import ReleasedCheckpoint
 sys.path.insert(0, str(REPO / "conversion"))
 import compare_with_official as tool
 
-SEQ = 32  # covers every CSA2 kind of the tiny model: window 16, ratio-2 entries 16 > index_topk 8
+SEQ = 64  # the golden inputs whole (2 rows): the official runs stored in golden.safetensors used them
 OFFICIAL = SHARED / "official_v41"
 
 
@@ -77,11 +77,11 @@ def paths(tmp_path_factory):
     if not (OFFICIAL / "model.py").is_file():
         pytest.skip(f"the official inference code {OFFICIAL} is not present")
     golden = golden_dir("v41_tiny_text")
-    ids = load_file(str(golden / "reference" / "golden.safetensors"))["input_ids"]  # 2 rows: prose, code
+    stored = load_file(str(golden / "reference" / "golden.safetensors"))
     ids_file = tmp_path_factory.mktemp("inputs") / "input_ids.json"
-    ids_file.write_text(json.dumps(ids.tolist()))
+    ids_file.write_text(json.dumps(stored["input_ids"].tolist()))  # 2 rows: prose, code
     return {"snapshot": golden / "snapshot", "args": golden / "reference" / "official_args.json",
-            "ids": ids_file}
+            "ids": ids_file, "golden": stored}
 
 
 def run_checker(tmp_path, paths, *extra):
@@ -104,7 +104,14 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, weig
     # --kernels names a file explicitly (here a copy of the independent CPU kernels): its six kernels run.
     kernels = tmp_path / "my_kernels.py"
     kernels.write_text((OFFICIAL / "kernel.py").read_text())
+    official, build_report = [], tool.build_report
+    monkeypatch.setattr(tool, "build_report", lambda run, *args: official.append(run) or build_report(run, *args))
     code, whole = run_checker(tmp_path, paths, "--weights", weights, "--mode", "whole", "--kernels", str(kernels))
+    # The checker's official run (its own weight reading and decoding) is the stored official run, bit for bit.
+    tag = {"bf16": "bf16w_bf16", "released": "fp8w_bf16"}[weights]
+    assert torch.equal(official[0]["hidden"], paths["golden"][f"{tag}.final_hidden"])
+    if weights == "bf16":
+        assert torch.equal(official[0]["returned"], paths["golden"]["bf16w_bf16.logits_last"])
     print(weights, "whole", json.dumps({k: whole[k] for k in ("every_position", "returned_logits")}))
     assert code == 0 and whole["passed"] and not whole["failures"]
     assert whole["settings"]["kernels"] == str(kernels)
