@@ -152,11 +152,14 @@ class SnapshotTensors:
             raise FileNotFoundError(f"no safetensors weights in {folder}")
         self.files, self._open = files, {}
 
-    def _slice(self, name: str):
+    def _file(self, name: str):
         path = self.files[name]
         if path not in self._open:
             self._open[path] = safe_open(str(path), "pt")
-        return self._open[path].get_slice(name)
+        return self._open[path]
+
+    def _slice(self, name: str):
+        return self._file(name).get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -165,8 +168,9 @@ class SnapshotTensors:
         return self._slice(name).get_dtype()  # safetensors' name: "BF16", "F8_E4M3", "I8", ...
 
     def rows(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows [start, stop) (a 0-dim tensor: the whole of it)."""
         part = self._slice(name)
-        return part[start:stop] if part.get_shape() else part[...]
+        return part[start:stop] if part.get_shape() else self._file(name).get_tensor(name)
 
 
 def scale_of(name: str) -> str:
