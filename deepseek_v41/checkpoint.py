@@ -496,9 +496,13 @@ class ReleasedCheckpoint:
         return value
 
     def _check_finite(self, t: StoredTensor, first_row: int, value: torch.Tensor, codes=None) -> None:
-        # One pass over the block (rows from `first_row`); finding the first bad element and its cause
-        # runs only when something is wrong. codes: the stored FP8/FP4 bytes of a quantized block.
-        if not self.check_finite or not value.is_floating_point() or bool(torch.isfinite(value).all()):
+        # One pass over the block (rows from `first_row`): a sum is non-finite iff an element is (NaN and inf
+        # propagate) or it overflows; it is ~20x cheaper than isfinite().all() on bf16 CPU tensors (measured in
+        # examples/benchmarks/finite_check.py). The element and its cause are looked up only then.
+        # codes: the stored FP8/FP4 bytes of a quantized block.
+        if not self.check_finite or not value.is_floating_point() or bool(torch.isfinite(value.sum())):
+            return
+        if bool(torch.isfinite(value).all()):  # the sum overflowed, every element is finite
             return
         local = tuple((~torch.isfinite(value)).nonzero()[0].tolist())
         at = [first_row + local[0], *local[1:]] if local else []
