@@ -70,8 +70,10 @@ SAFETENSORS_DTYPES = {
 }
 QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "I8", "U8")
 SCALE_DTYPES = ("F8_E8M0", "F32")
-# Stored dtypes of unquantized tensors: the release's BF16 and F32, and F32 where an export keeps fp32 weights
-# (F16 appears in neither: an F16 header is a relabelled tensor whose bytes would decode to wrong values).
+# Stored dtypes of unquantized tensors: the release's BF16 and F32, which exports keep (F16 appears in neither:
+# an F16 header on 2-byte data is a relabelled BF16 tensor whose bytes would decode to wrong values; other
+# relabels change the byte size and fail the header check). The fp32-contract tensors are F32 in the release;
+# a BF16 one (from a model cast whole to bf16) loads exactly into the fp32 parameter.
 PLAIN_DTYPES = ("BF16", "F32")
 # Environment opt-out of the per-block finite check (`check_finite`), for speed on trusted checkpoints.
 CHECK_FINITE_ENV = "DEEPSEEK_V41_CHECK_FINITE"
@@ -95,8 +97,6 @@ class CheckpointError(ValueError):
 _RELEASED_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
 _MODEL_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<proj>w[123])$")
 _ENGRAM_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
-# The fp32 contract tensors (mHC coefficients, attention sinks, router biases): F32 in the release and exports.
-_FP32_ONLY = re.compile(r"(^|\.)(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias(_vl)?)$")
 SKIPPED_PREFIXES = ("mtp.",)  # DSpark draft stages: released, not implemented by the model
 
 
@@ -359,11 +359,10 @@ class ReleasedCheckpoint:
             if record.dtype in QUANTIZED_DTYPES:
                 raise CheckpointError(f"tensor {name!r} in {where} is {record.dtype} but its scale "
                                       f"{scale_name(name)!r} is missing")
-            allowed = ("F32",) if _FP32_ONLY.search(name) else PLAIN_DTYPES
-            if record.dtype not in allowed and not name.startswith(SKIPPED_PREFIXES):
-                raise CheckpointError(f"tensor {name!r} in {where} is stored as {record.dtype} but the released "
-                                      f"format holds it as {' or '.join(allowed)}: wrong dtype (a relabelled or "
-                                      "foreign tensor); re-download or re-export the checkpoint")
+            if record.dtype not in PLAIN_DTYPES and not name.startswith(SKIPPED_PREFIXES):
+                raise CheckpointError(f"tensor {name!r} in {where} is stored as {record.dtype} but unquantized "
+                                      f"tensors are {' or '.join(PLAIN_DTYPES)} (in the release and in exports): "
+                                      "wrong dtype (a relabelled or foreign tensor); re-download or re-export it")
             return "plain"
         if scale.dtype not in SCALE_DTYPES:
             raise CheckpointError(f"scale {scale.name!r} in {scale.file} has dtype {scale.dtype}; expected "
