@@ -420,7 +420,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             inputs["position_ids"] = position_ids[..., seen : input_ids.shape[1]]
         if seen == 0:  # images belong to the prompt
             inputs.update(pixel_values=pixel_values, image_grid_hws=image_grid_hws, vision_token_types=vision_token_types)
-        for key in ("next_sequence_length", "is_first_iteration", "cache_position"):
+        for key in ("next_sequence_length", "is_first_iteration", "cache_position", "tokenizer"):
             kwargs.pop(key, None)  # generate's own bookkeeping: the cache tells which columns are new
         inputs.update(kwargs)
         return {key: value for key, value in inputs.items() if value is not None}

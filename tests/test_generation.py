@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import SHARED, golden_dir
 from deepseek_v41.cache_deepseek_v41 import DeepseekV41Cache, cache_bytes_per_token
-from deepseek_v41.parity import GATES, logits_metrics
+from deepseek_v41.parity import GATES, gate_failures, logits_metrics
 
 DECODE_STEPS = 40
 # Prompt lengths around the tiny config's boundaries (window 16, ratio-2 groups, ratio-1 candidate blocks of 4
@@ -161,33 +161,44 @@ def official_model(snapshot, ours, max_seq_len):
 
 @torch.no_grad()
 def test_greedy_decode_matches_official_incremental_decode(snapshot, model_bf16, golden_ids):
+    # The official decode (start_pos > 0, its own window / compressed / indexer caches) differs from the official
+    # prefill of the same tokens by up to KL 3e-3 on single steps here (bf16 roundings in other places), and once
+    # picks another token on a near tie.  Ours (= our full forward) is compared with both, on the official greedy
+    # tokens: within the bf16 gates of the official decode over the run, no step further from it than the
+    # official prefill gets over the run, and the same greedy tokens wherever the official agrees with itself.
     prompt, steps = golden_ids[:1, :20], 32
     official = official_model(snapshot, model_bf16, max_seq_len=64)
-    tokens, reference = prompt, []
+    official_prefill = official_model(snapshot, model_bf16, max_seq_len=64)
+    tokens, decoded, prefilled = prompt, [], []
     _, logits, _ = official(prompt, 0)
     for step in range(steps + 1):
-        reference.append(logits.float())
-        if step == steps:
-            break
-        nxt = logits.argmax(-1, keepdim=True)
-        tokens = torch.cat([tokens, nxt], 1)
-        _, logits, _ = official(nxt, tokens.shape[1] - 1)
-    out = model_bf16.generate(
-        prompt, max_new_tokens=steps + 1, do_sample=False, output_logits=True, return_dict_in_generate=True,
-        eos_token_id=None,
-    )
-    assert torch.equal(out.sequences[0, : tokens.shape[1]], tokens[0])
-    for step, (ours, ref) in enumerate(zip(out.logits, reference)):
-        metrics = logits_metrics(ref, ours)
-        gates = {k: v for k, v in GATES["bf16"].items() if k != "p95_kl"}  # one token per step
-        failures = [f for f in gate_fails_from(metrics, gates)]
-        assert not failures and metrics["top1"] == 1.0, (step, failures)
+        decoded.append(logits.float())
+        prefilled.append(official_prefill(tokens, 0)[1].float())
+        if step < steps:
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+            _, logits, _ = official(tokens[:, -1:], tokens.shape[1] - 1)
+    decoded, prefilled = torch.cat(decoded), torch.cat(prefilled)  # [steps + 1, vocab]
+    ours = cached_logits_on(model_bf16, tokens, prompt.shape[1])
+    gates = {k: GATES["bf16"][k] for k in ("mean_kl", "cosine")}
+    assert not gate_failures(logits_metrics(decoded, ours), gates)
+    kl_ours = [logits_metrics(decoded[step], ours[step])["mean_kl"] for step in range(steps + 1)]
+    kl_official = [logits_metrics(decoded[step], prefilled[step])["mean_kl"] for step in range(steps + 1)]
+    assert max(kl_ours) <= 1.5 * max(kl_official), (kl_ours, kl_official)  # no step worse than its own noise
+    consistent = decoded.argmax(-1) == prefilled.argmax(-1)
+    assert consistent.float().mean() >= 0.9
+    assert torch.equal(ours.argmax(-1)[consistent], decoded.argmax(-1)[consistent])
+    generated = model_bf16.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None)
+    first_flip = int((~consistent).nonzero()[0]) if not consistent.all() else steps
+    assert torch.equal(generated[0, : 20 + first_flip], tokens[0, : 20 + first_flip])
 
 
-def gate_fails_from(metrics, gates):
-    from deepseek_v41.parity import gate_failures
-
-    return gate_failures(metrics, gates)
+def cached_logits_on(model, tokens, prompt_len):
+    """[n, vocab]: a prefill's last logits over tokens[:, :prompt_len], then one decode step per later token."""
+    out = model(tokens[:, :prompt_len], use_cache=True)
+    cache, steps = out.get("cache", out.get("past_key_values")), [out.logits[0, -1]]
+    for t in range(prompt_len, tokens.shape[1]):
+        steps.append(model(tokens[:, t : t + 1], past_key_values=cache).logits[0, -1])
+    return torch.stack(steps)
 
 
 @torch.no_grad()
