@@ -384,7 +384,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         if labels is not None:
             check_targets(labels, self.config.text_config.vocab_size)  # a host sync, like the attention-mask check
         out = super().forward(input_ids, attention_mask=attention_mask, **kwargs)
-        hidden, cache = out.last_hidden_state, out.get("cache", out.get("past_key_values"))
+        hidden, cache = out.last_hidden_state, returned_cache(out)
         if labels is None:
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
@@ -515,8 +515,8 @@ def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, c
             expected = torch.arange(s, device=position_ids.device)
         if not ((position_ids == expected) | (False if mask is None else ~mask)).all():
             raise ValueError(
-                "position_ids must count each row's real tokens from 0 (0, 1, ..., the padding excluded, as "
-                "attention_mask implies); packed sequences with restarting positions are not supported"
+                "position_ids must be zero-based and contiguous over each row's real tokens (0, 1, ..., the padding "
+                "excluded, as attention_mask implies); packed sequences with restarting positions are not supported"
             )
 
 
@@ -541,6 +541,11 @@ def roll_rows(t: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 def cache_field(output_cls) -> str:
     # what this transformers version calls the cache: `cache` (>= 5.2x) or `past_key_values`
     return "cache" if "cache" in output_cls.__dataclass_fields__ else "past_key_values"
+
+
+def returned_cache(output):
+    """The cache a forward returned (None without one), under either name."""
+    return getattr(output, cache_field(type(output)), None)
 
 
 def with_cache(output_cls, cache, **fields):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import SHARED, golden_dir
 from deepseek_v41.cache_deepseek_v41 import DeepseekV41Cache, cache_bytes_per_token
+from deepseek_v41.modeling_deepseek_v41 import returned_cache
 from deepseek_v41.parity import GATES, gate_failures, logits_metrics
 
 DECODE_STEPS = 40
@@ -88,10 +89,10 @@ def cached_decode_logits(model, golden_ids, lengths):
     width = max(lengths)
     rows, ids, mask = ragged_batch(golden_ids, lengths, width + DECODE_STEPS)
     out = model(ids[:, :width], attention_mask=mask[:, :width], use_cache=True)
-    cache, steps = out.get("cache", out.get("past_key_values")), [out.logits[:, -1]]
+    cache, steps = returned_cache(out), [out.logits[:, -1]]
     assert isinstance(cache, DeepseekV41Cache) and cache.lengths_host == lengths
     for t in range(width, ids.shape[1]):
-        out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache)
+        out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache)
         steps.append(out.logits[:, -1])
     cached = torch.stack(steps, 1)  # [rows, steps + 1, vocab]
     return [(model(row[None]).logits[0, n - 1 :], cached[i]) for i, (row, n) in enumerate(zip(rows, lengths))]
@@ -195,9 +196,9 @@ def test_greedy_decode_matches_official_incremental_decode(snapshot, model_bf16,
 def cached_logits_on(model, tokens, prompt_len):
     """[n, vocab]: a prefill's last logits over tokens[:, :prompt_len], then one decode step per later token."""
     out = model(tokens[:, :prompt_len], use_cache=True)
-    cache, steps = out.get("cache", out.get("past_key_values")), [out.logits[0, -1]]
+    cache, steps = returned_cache(out), [out.logits[0, -1]]
     for t in range(prompt_len, tokens.shape[1]):
-        steps.append(model(tokens[:, t : t + 1], past_key_values=cache).logits[0, -1])
+        steps.append(model(tokens[:, t : t + 1], cache=cache).logits[0, -1])
     return torch.stack(steps)
 
 
@@ -298,7 +299,7 @@ def test_cache_contents_and_errors(model_fp32, golden_ids):
 
     text = model_fp32.config.text_config
     out = model_fp32(golden_ids[:, :21], use_cache=True)
-    cache = out.get("cache", out.get("past_key_values"))
+    cache = returned_cache(out)
     assert cache.lengths_host == [21, 21] and cache.layers[2].compressed_kv.shape[1] == 10  # 21 // 2 groups
     assert cache.layers[5].index_k.shape[1] == 21 and cache.layers[3].compressed_kv is None  # Reuse owns none
     # bytes per token: the Full layers' entries (2, 4 at ratio 2; 5 at ratio 1) of head_dim + index_head_dim
@@ -306,7 +307,7 @@ def test_cache_contents_and_errors(model_fp32, golden_ids):
     with pytest.raises(TypeError, match="DeepseekV41Cache"):
         model_fp32(golden_ids[:, :4], past_key_values=DynamicCache())
     with pytest.raises(ValueError, match="must all be real tokens"):
-        model_fp32(golden_ids[:, 21:22], past_key_values=cache, attention_mask=torch.tensor([[1] * 21 + [0]] * 2))
+        model_fp32(golden_ids[:, 21:22], cache=cache, attention_mask=torch.tensor([[1] * 21 + [0]] * 2))
     with pytest.raises(NotImplementedError, match="cropped"):
         cache.crop(1)
     with pytest.raises(ValueError, match="holes"):
