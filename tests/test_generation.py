@@ -315,3 +315,17 @@ def test_cache_contents_and_errors(model_fp32, golden_ids):
         cache.crop(1)
     with pytest.raises(ValueError, match="holes"):
         model_fp32(golden_ids[:, :4], attention_mask=torch.tensor([[1, 0, 1, 1]] * 2))
+    with pytest.raises(ValueError, match="hash the padding"):
+        model_fp32(golden_ids[:, :4], attention_mask=torch.tensor([[0, 1, 1, 1]] * 2), engram_hash_ids={})
+    with pytest.raises(ValueError, match="images go in the prompt"):
+        model_fp32(golden_ids[:, 21:22], cache=cache, vision_token_types=torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_snapshot_generation_config_is_loaded(snapshot, golden_ids, tmp_path):
+    for item in snapshot.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "eos_token_id": 1}))
+    model = load(tmp_path, torch.bfloat16)
+    assert model.generation_config.max_new_tokens == 3
+    with torch.no_grad():
+        assert model.generate(golden_ids[:1, :5], do_sample=False).shape == (1, 8)
