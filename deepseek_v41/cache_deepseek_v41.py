@@ -64,13 +64,12 @@ class CSA2LayerCache:
         # fp32 [b, r, d]: slot j holds position (lengths // r)·r + j (slots past the row's end are rewritten first)
         self.carry_kv, self.carry_score = kv.clone(), score.clone()
 
-    # ---- decode: one new token per row at positions pos [b] -----------------------------------------------
+    # ---- decode: one new token per row at positions pos [b]; written in place ------------------------------
 
     def push_window(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # kv [b, d] -> the ring [b, W, d] with position pos in slot pos % W
         slot = (pos % self.window).view(-1, 1, 1).expand(-1, 1, kv.shape[-1])
-        self.window_kv = self.window_kv.scatter(1, slot, kv.unsqueeze(1).to(self.window_kv.dtype))
-        return self.window_kv
+        return self.window_kv.scatter_(1, slot, kv.unsqueeze(1).to(self.window_kv.dtype))
 
     def window_slots(self, pos: torch.Tensor) -> torch.Tensor:
         # int64 [b, 1, W]: slot ids a query at pos may read (-1 while the ring is still filling)
@@ -80,9 +79,7 @@ class CSA2LayerCache:
     def push_carry(self, kv: torch.Tensor, score: torch.Tensor, pos: torch.Tensor):
         # fp32 [b, d] each -> the open group's slots [b, r, d] with position pos in slot pos % r
         slot = (pos % self.ratio).view(-1, 1, 1).expand(-1, 1, kv.shape[-1])
-        self.carry_kv = self.carry_kv.scatter(1, slot, kv.unsqueeze(1))
-        self.carry_score = self.carry_score.scatter(1, slot, score.unsqueeze(1))
-        return self.carry_kv, self.carry_score
+        return self.carry_kv.scatter_(1, slot, kv.unsqueeze(1)), self.carry_score.scatter_(1, slot, score.unsqueeze(1))
 
     def push_entry(self, kv, key, entry: torch.Tensor, complete: torch.Tensor, need: int) -> None:
         # kv [b, d], key [b, D]: written at entry [b] in the rows whose group just completed (complete [b] bool);
@@ -91,11 +88,10 @@ class CSA2LayerCache:
             grow = max(need, 2 * self.compressed_kv.shape[1], 16) - self.compressed_kv.shape[1]
             self.compressed_kv = torch.nn.functional.pad(self.compressed_kv, (0, 0, 0, grow))
             self.index_k = torch.nn.functional.pad(self.index_k, (0, 0, 0, grow))
-        for name, new in (("compressed_kv", kv), ("index_k", key)):
-            store = getattr(self, name)
+        for store, new in ((self.compressed_kv, kv), (self.index_k, key)):  # in place: O(1) per step
             at = entry.view(-1, 1, 1).expand(-1, 1, store.shape[-1])
             value = torch.where(complete.view(-1, 1, 1), new.unsqueeze(1).to(store.dtype), store.gather(1, at))
-            setattr(self, name, store.scatter(1, at, value))
+            store.scatter_(1, at, value)
 
 
 class DeepseekV41Cache(Cache):

@@ -218,13 +218,13 @@ def test_greedy_generate_equals_argmax_loop_without_cache(model_bf16, golden_ids
 @torch.no_grad()
 def test_left_padded_batch_generates_each_prompt_as_alone(model_bf16, golden_ids):
     prompts = [golden_ids[0, :5], golden_ids[1, :13], golden_ids[0, 30:52]]
-    alone = [model_bf16.generate(p[None], max_new_tokens=10, do_sample=False, eos_token_id=None)[0] for p in prompts]
+    alone = [model_bf16.generate(p[None], max_new_tokens=6, do_sample=False, eos_token_id=None)[0] for p in prompts]
     width, pad = max(p.numel() for p in prompts), model_bf16.config.pad_token_id
     ids = torch.full((3, width), pad)
     mask = torch.zeros(3, width, dtype=torch.long)
     for row, p in enumerate(prompts):
         ids[row, width - p.numel() :], mask[row, width - p.numel() :] = p, 1
-    batch = model_bf16.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    batch = model_bf16.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
     for row, p in enumerate(prompts):
         assert torch.equal(batch[row, width - p.numel() :], alone[row]), row
     # the prefill's logits of the real positions are those of each row alone (left padding is exact)
