@@ -12,6 +12,11 @@ One path for ``save_pretrained``, the trainer's export (``training/export.py``) 
   elsewhere, with the released ``quantization_config``) and the shards, all from shapes alone.
 * write: shard by shard, tensor by tensor, row block by row block (``BLOCK_BYTES`` of output), so no
   process ever holds more than one block (plus a quantized tensor's scales) beyond the model.
+* why not ``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter``: it writes every rank's local
+  shards to ``<dir>/sharded`` and consolidates them afterwards (twice the disk, a second full pass), it needs
+  every tensor as a DTensor with offsets (our EP experts and Engram row blocks are plain local tensors), and
+  it neither splits stacked experts into released names nor re-encodes 32x32 FP8 blocks that straddle
+  FSDP shard boundaries. The reduce-per-block writer here does all three in one pass.
 * folder safety: everything is written into a new hidden sibling folder; it then takes the destination's
   place with one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux), so a SIGKILL at any moment leaves the
   old or the new export in place, never none. Only an empty folder or a previous export of ours (its
@@ -431,13 +436,20 @@ def is_our_export(folder: Path) -> bool:
 
 
 def _check_destination(out_dir: Path) -> None:
-    """Refuse anything but a missing folder, an empty one or a previous export of ours; clean stale temporaries."""
+    # clean stale temporaries (restoring a previous export left aside), then check
     _clean_stale_siblings(out_dir)
+    check_export_destination(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+
+def check_export_destination(out_dir: str | os.PathLike) -> None:
+    """Raise `ExportError` unless `out_dir` is missing, an empty folder or a previous export of ours (changes
+    nothing; the trainer calls it before training, so a refused folder fails in seconds, not after the run)."""
+    out_dir = Path(out_dir)
     if out_dir.is_symlink():
         raise ExportError(f"export destination {out_dir} is a symbolic link: give the folder it points to, "
                           "or a new path")
     if not out_dir.exists():
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
         return
     if not out_dir.is_dir():
         raise ExportError(f"export destination {out_dir} exists and is not a folder: nothing was written; "

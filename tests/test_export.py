@@ -342,6 +342,9 @@ def test_recipe_refuses_an_export_dir_overlapping_the_run(tmp_path):
         with pytest.raises(RecipeError, match="checkpoint.export_dir"):
             recipe(**{"checkpoint.export_dir": str(export_dir)})
     recipe(**{"checkpoint.export_dir": str(tmp_path / "export"), "checkpoint.export_quantize": "release"})
+    (tmp_path / "export" / "notes").mkdir(parents=True)  # a folder the export would refuse: refused up front
+    with pytest.raises(RecipeError, match="not a deepseek_v41 export"):
+        recipe(**{"checkpoint.export_dir": str(tmp_path / "export")})
     with pytest.raises(RecipeError, match="export_quantize"):
         recipe(**{"checkpoint.export_quantize": "fp4"})
 

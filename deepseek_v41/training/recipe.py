@@ -291,6 +291,12 @@ def _check_export_dir(recipe: dict) -> None:
         if export == other or export in other.parents or other in export.parents:
             raise RecipeError(f"checkpoint.export_dir={ckpt['export_dir']} overlaps {key}={other}: the export "
                               "replaces its whole folder; give it a folder of its own (e.g. a sibling)")
+    from deepseek_v41.hf_export import ExportError, check_export_destination
+
+    try:  # a folder the export would refuse fails now, not after the run
+        check_export_destination(export)
+    except ExportError as exc:
+        raise RecipeError(f"checkpoint.export_dir: {exc}") from None
 
 
 def validate_world(recipe: dict, world_size: int) -> None:
