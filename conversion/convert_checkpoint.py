@@ -32,7 +32,8 @@ from deepseek_v41.checkpoint import (
     check_checkpoint_matches_model,
 )
 from deepseek_v41.hf_export import EXPORT_MARKER, QUANTIZE_CHOICES, TensorSource, export_config, write_export
-from deepseek_v41.modeling_deepseek_v41 import AUTO_MAP, parse_size as parse_byte_size
+from deepseek_v41.modeling_deepseek_v41 import AUTO_MAP
+from deepseek_v41.modeling_deepseek_v41 import parse_size as parse_byte_size
 
 
 def build_meta_model(src: Path) -> torch.nn.Module:

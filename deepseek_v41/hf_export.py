@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import (
+    _MODEL_EXPERT,
     CONFIG_FILE,
     INDEX_FILE,
     RowBlocks,
@@ -66,7 +67,6 @@ logger = logging.getLogger(__name__)
 EXPORT_MARKER = "deepseek_v41_export.json"  # lists the files an export of ours wrote
 QUANTIZE_CHOICES = (None, "release")
 BLOCK_BYTES = 64 << 20  # output bytes gathered and written at once
-_MODEL_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<proj>w[123])$")
 _QUANTIZED_TORCH_DTYPES = {
     torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.int8, torch.uint8
 }
@@ -366,11 +366,11 @@ def _write_shards(shards: list[list[_Item]], staging: Path, label: str) -> tuple
                     _fsync(staging / file)
                     weight_map.update(dict.fromkeys(entries, file))
                     continue
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 (any write error: re-raised after the drain)
                     failure = exc
             try:
                 _drain(entries.values())
-            except Exception:
+            except Exception:  # noqa: BLE001 (the drain failed too: report the first error)
                 raise failure from None
     if failure is not None:
         raise failure

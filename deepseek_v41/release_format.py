@@ -13,7 +13,6 @@ BF16 for the rest), for re-encoding a fine-tuned model (`save_pretrained(..., qu
 from __future__ import annotations
 
 import re
-
 from collections.abc import Iterator
 
 import torch

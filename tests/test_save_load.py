@@ -77,7 +77,8 @@ def test_remote_code_load_without_the_package(exported, tmp_path):
     out = tmp_path / "logits.pt"
     torch.save(IDS, str(out) + ".ids")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
-    result = subprocess.run([sys.executable, "-c", REMOTE, str(folder), str(out)], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, "-c", REMOTE, str(folder), str(out)], check=False, cwd=tmp_path,
+                            env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     with torch.no_grad():
