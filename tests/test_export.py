@@ -127,22 +127,33 @@ def test_quantize_release_reloads_to_the_quantize_dequantize_of_the_weights(mode
 
 
 OFFICIAL = textwrap.dedent("""
+    # The official model.py (CPU kernels of its folder), built from ModelArgs json, weights loaded by released
+    # name: FP8 / FP4 codes and UE8M0 scales as stored, floating-point entries (wo_a, head) decoded.
     import json, sys, torch
-    sys.path.insert(0, sys.argv[1] + "/conversion")
-    import compare_with_official as tool
     from deepseek_v41.checkpoint import ReleasedCheckpoint
     from transformers import AutoTokenizer
-    official_dir, args_json, ids = sys.argv[2], sys.argv[3], torch.tensor(json.loads(sys.argv[4]))
-    module = tool.import_official_model(tool.Path(official_dir), cpu_kernels=False)
+    official_dir, args_json, ids = sys.argv[1], sys.argv[2], torch.tensor(json.loads(sys.argv[3]))
+    sys.path.insert(0, official_dir)
+    import model as official
+    codes = (torch.float8_e4m3fn, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu)
     logits = []
-    for snapshot in sys.argv[5:]:
+    for snapshot in sys.argv[4:]:
         checkpoint = ReleasedCheckpoint(snapshot)
-        args, _ = tool.official_model_args(module, tool.Path(args_json), {}, *ids.shape,
-                                           checkpoint.config["text_config"])
+        fields = {**json.loads(open(args_json).read()), "max_batch_size": ids.shape[0]}
         torch.set_default_dtype(torch.bfloat16)
-        model = module.Transformer(args, AutoTokenizer.from_pretrained(snapshot)).eval()
-        targets, info = tool.split_official_state(model, checkpoint)
-        tool.load_released_tensors(targets, checkpoint)
+        model = official.Transformer(official.ModelArgs(**fields), AutoTokenizer.from_pretrained(snapshot)).eval()
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, target in model.state_dict(keep_vars=True).items():
+                if name not in checkpoint.records:
+                    assert name not in params, f"official parameter {name} is not in {snapshot}"
+                    continue
+                stored = checkpoint.tensors.get(name)
+                if target.dtype in codes:
+                    target.copy_(checkpoint.read_raw(checkpoint.records[name]).view(target.dtype))
+                else:
+                    target.copy_(checkpoint.decode(name, dtype=target.dtype) if stored is not None
+                                 else checkpoint.read_raw(checkpoint.records[name]).to(target.dtype))
         with torch.inference_mode():
             logits.append(model(ids, start_pos=0)[1].float())
         torch.set_default_dtype(torch.float32)
@@ -168,7 +179,7 @@ def test_convert_quantize_release_is_served_by_the_official_code(tmp_path):
         assert torch.equal(release.decode(name), source.decode(name)), name
     ids = json.dumps(IDS[:, :16].tolist())
     env = {**torchrun_env(), "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-c", OFFICIAL, str(REPO), str(SHARED / "official_v41"),
+    result = subprocess.run([sys.executable, "-c", OFFICIAL, str(SHARED / "official_v41"),
                              str(GOLDEN / "v41_tiny_text" / "reference" / "official_args.json"), ids,
                              str(tmp_path / "release"), str(golden)],
                             check=False, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
