@@ -72,6 +72,9 @@ _QUANTIZED_TORCH_DTYPES = {
 }
 
 
+_WIDENED = {torch.float16: torch.float32}  # lossless; the loader refuses F16 (a relabelled BF16 looks alike)
+
+
 class ExportError(ValueError):
     """An export that cannot be written as asked; the message names the problem and the fix."""
 
@@ -157,6 +160,8 @@ def plan_items(sources: Iterable[TensorSource], quantize: str | None) -> list[_I
             item_shape = source.shape[1:] if expert is not None else source.shape
             if quantize == "release":
                 fmt, dtype = released_format(name, item_shape)
+            elif source.dtype in _WIDENED:  # the checkpoint format holds BF16 / F32 floating point only
+                fmt, dtype = "plain", _WIDENED[source.dtype]
             else:
                 fmt, dtype = "plain", source.dtype
             items.append(_Item(name, source, expert, fmt, dtype))

@@ -446,6 +446,32 @@ def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, p
                 "position_ids must be zero-based and contiguous (0, 1, ..., seq-1) in every row; packed "
                 "sequences with restarting positions and offsets are not supported"
             )
+    check_input_values(input_ids, attention_mask, model.config.text_config.vocab_size)
+
+
+def check_input_values(input_ids: torch.Tensor, attention_mask, vocab: int) -> None:
+    """Raise ``ValueError`` unless input_ids [b, s] is non-empty with every id in [0, vocab) and the mask is 0/1.
+
+    Both value checks share one host sync (like ``check_targets``): an out-of-range id would otherwise be an
+    IndexError on CPU or a device-side assert on CUDA, and a mask value such as 2 or 0.5 silently a 1."""
+    b, s = input_ids.shape
+    if b == 0 or s == 0:
+        raise ValueError(f"input_ids have shape {(b, s)}: an empty batch or a length-0 sequence; give at least "
+                         "one row with at least one token")
+    flags = [((input_ids < 0) | (input_ids >= vocab)).any()]
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        if attention_mask.is_floating_point() or attention_mask.is_complex():
+            raise ValueError(f"attention_mask must hold 0/1 as bool or integers, got {attention_mask.dtype}; "
+                             "pass attention_mask.long() of a 0/1 mask")
+        flags.append(((attention_mask != 0) & (attention_mask != 1)).any())
+    bad_ids, *bad_mask = torch.stack(flags).tolist()
+    if bad_ids:
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+        raise ValueError(f"input_ids must be token ids in [0, {vocab}) (text_config.vocab_size); got "
+                         f"{bad[:5].tolist()}: pad with the pad token id, not a negative or out-of-vocabulary id")
+    if bad_mask and bad_mask[0]:
+        bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token); got {bad[:5].tolist()}")
 
 
 def engram_hash_ids_for(engram_hash_ids, layer: DeepseekV41Block, text_config):
