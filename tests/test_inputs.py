@@ -13,10 +13,10 @@ def model(v4_tokenizer):
 IDS = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-def test_left_padding(model):
+def test_holes_in_the_attention_mask(model):  # left and right padding are supported (test_generation.py)
     mask = torch.ones_like(IDS)
-    mask[0, :4] = 0
-    with pytest.raises(ValueError, match="right padding"):
+    mask[0, 4:8] = 0
+    with pytest.raises(ValueError, match="holes"):
         model(IDS, attention_mask=mask)
 
 
@@ -67,9 +67,11 @@ def test_million_token_training_is_out_of_scope(v4_tokenizer):
         model(IDS)
 
 
-def test_use_cache_is_not_implemented(model):
-    with pytest.raises(NotImplementedError, match="use_cache=False"):
-        model(IDS, use_cache=True)
+def test_a_foreign_cache_is_refused(model):  # use_cache=True returns a DeepseekV41Cache (test_generation.py)
+    from transformers import DynamicCache
+
+    with pytest.raises(TypeError, match="DeepseekV41Cache"):
+        model(IDS, past_key_values=DynamicCache())
 
 
 def test_dspark_is_not_implemented(model):
