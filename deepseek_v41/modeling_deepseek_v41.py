@@ -209,8 +209,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False,
                         max_shard_size="5GB", safe_serialization=True, quantize=None, variant=None, token=None,
                         save_peft_format=True, save_original_format=True, distributed_checkpoint=False, **kwargs):
-        """Export a Hugging Face folder: released tensor names, remote-code files with ``auto_map``, tokenizer and
-        processor files; streamed shard by shard into a new folder that then takes ``save_directory``'s place
+        """Export a Hugging Face folder: released tensor names, remote-code files with ``auto_map``, tokenizer,
+        processor and generation files; streamed shard by shard into a new folder that then takes ``save_directory``'s place
         (only an empty folder or a previous export is replaced).
 
         ``quantize=None`` keeps the weights as held (fp32 islands stay fp32); ``quantize="release"`` re-encodes
@@ -252,7 +252,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         config = export_config(self.config.to_dict(), architectures=[type(self).__name__],
                                dtype=self.embed.weight.dtype, auto_map=AUTO_MAP, quantize=quantize)
         with tempfile.TemporaryDirectory() as scratch:  # Engram's tokenizer and the processor travel along
-            files = remote_code_files() + support_files(self.config, self.engram_tokenizer, Path(scratch))
+            files = remote_code_files() + support_files(self.config, self.engram_tokenizer, Path(scratch),
+                                                        getattr(self, "generation_config", None))
             write_export([local_source(n, t) for n, t in state_dict.items()], save_directory, config, files,
                          quantize=quantize, max_shard_bytes=parse_size(max_shard_size))
 
@@ -670,23 +671,25 @@ def save_tokenizer_files(tokenizer, folder: Path, config) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file())
 
 
-def support_files(config, tokenizer, folder: Path) -> list[Path]:
-    """Tokenizer and processor files of an export, written into ``folder``: Engram's tokenizer, and the processor
-    (``processor_config.json`` with ``auto_map``, chat template) so the export loads with ``AutoProcessor``."""
-    files = save_tokenizer_files(tokenizer, folder, config)
-    if not (folder / "tokenizer.json").is_file():
-        return files
-    from transformers import AutoTokenizer
+def support_files(config, tokenizer, folder: Path, generation_config=None) -> list[Path]:
+    """Tokenizer, processor and generation files of an export, written into ``folder``: Engram's tokenizer, the
+    processor (``processor_config.json`` with ``auto_map``, chat template) so the export loads with
+    ``AutoProcessor``, and ``generation_config.json`` when given."""
+    save_tokenizer_files(tokenizer, folder, config)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    if (folder / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
 
-    from .image_processing_deepseek_v41 import DeepseekV41ImageProcessor
-    from .processing_deepseek_v41 import DeepseekV41Processor
+        from .image_processing_deepseek_v41 import DeepseekV41ImageProcessor
+        from .processing_deepseek_v41 import DeepseekV41Processor
 
-    DeepseekV41ImageProcessor.register_for_auto_class("AutoImageProcessor")
-    DeepseekV41Processor.register_for_auto_class("AutoProcessor")
-    image_processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
-    processor = DeepseekV41Processor(image_processor, AutoTokenizer.from_pretrained(folder),
-                                     image_token_id=config.image_token_id)
-    processor.save_pretrained(folder)
+        DeepseekV41ImageProcessor.register_for_auto_class("AutoImageProcessor")
+        DeepseekV41Processor.register_for_auto_class("AutoProcessor")
+        image_processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
+        processor = DeepseekV41Processor(image_processor, AutoTokenizer.from_pretrained(folder),
+                                         image_token_id=config.image_token_id)
+        processor.save_pretrained(folder)
     return sorted(p for p in folder.iterdir() if p.is_file())
 
 

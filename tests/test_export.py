@@ -76,6 +76,7 @@ def test_save_pretrained_takes_transformers_arguments(model, tmp_path):
     model.save_pretrained(tmp_path / "a", state_dict=state, max_shard_size="200KB", safe_serialization=True,
                           save_peft_format=True, save_original_format=True)
     written = tensors_of(tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "generation_config.json").read_text())["eos_token_id"] == model.config.eos_token_id
     assert torch.equal(written["norm.weight"], state["norm.weight"])
     assert torch.equal(written["layers.3.ffn.experts.5.w2.weight"], state["layers.3.ffn.experts.w2"][5])
     assert len(set(json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())["weight_map"].values())) > 3

@@ -109,7 +109,8 @@ def export_model(trainer, out_dir, quantize=None) -> None:
                            dtype=model.embed.weight.dtype, auto_map=AUTO_MAP, quantize=quantize)
     writer = dist.get_rank() == WRITER
     with tempfile.TemporaryDirectory() as scratch:
-        files = remote_code_files() + support_files(model.config, model.engram_tokenizer, Path(scratch)) if writer else []
+        files = (remote_code_files() + support_files(model.config, model.engram_tokenizer, Path(scratch),
+                                                     getattr(model, "generation_config", None)) if writer else [])
         write_export(sharded_sources(trainer), out_dir, config, files, quantize=quantize, writer=writer, sync=_sync)
     if writer:
         kind = "released FP8/FP4" if quantize == "release" else "floating-point"
