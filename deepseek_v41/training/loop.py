@@ -237,9 +237,9 @@ class Trainer:
         self.checkpointer.wait()  # an async save still in flight is committed before the run reports done
         self._summary(train_tokens / max(train_time, 1e-9), time.perf_counter() - start)
         if r["checkpoint"]["export_dir"]:
-            from deepseek_v41.training.export import export_floating_point
+            from deepseek_v41.training.export import export_model
 
-            export_floating_point(self, r["checkpoint"]["export_dir"])
+            export_model(self, r["checkpoint"]["export_dir"], r["checkpoint"]["export_quantize"])
         return records
 
     def _resume(self) -> int:
