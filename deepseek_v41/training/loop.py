@@ -60,9 +60,13 @@ class Trainer:
         self.tokenizer = data_lib.load_tokenizer(recipe["tokenizer"]["path"], self.path)
         self._build_model()
         self._build_data()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.params = params
-        self.optimizer = build_optimizer(params, recipe["optimizer"], self.device.type)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.optimizer = build_optimizer(named, recipe["optimizer"], self.device.type)
+        self.optimizer_impl = self.optimizer.impl  # what optimizer.impl resolved to (logs, checkpoints)
+        decayed = sum(len(g["params"]) for g in self.optimizer.param_groups if g["weight_decay"])
+        self._print(f"[finetune] optimizer {self.optimizer_impl}: weight decay on {decayed} of "
+                    f"{len(self.params)} parameter tensors")
         self.wandb = _init_wandb(recipe) if self.rank == 0 and recipe["wandb"]["enable"] else None
 
     # ---- model -------------------------------------------------------------------------------------
@@ -75,7 +79,7 @@ class Trainer:
         if ep > 1 and dispatcher == "local":
             raise ValueError(
                 f"distributed.ep_size={ep} needs an expert-parallel dispatcher; set "
-                "--model.config.backend.dispatcher=torch (all-to-all) or hybridep"
+                "--model.config.backend.dispatcher=torch (all-to-all)"
             )
         expert_params = apply_expert_parallel(self.model, self.ep_mesh, dispatcher)
         self.engram_group = dist.new_group(list(range(self.world)))
