@@ -35,8 +35,9 @@ from deepseek_v41.training.expert_parallel import (
     routed_expert_modules,
 )
 from deepseek_v41.training.fsdp import parallelize
-from deepseek_v41.training.model_setup import build_meta_model, check_checkpoint
+from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
+from deepseek_v41.training.plan import check_layout
 from deepseek_v41.training.recipe import validate_world
 from deepseek_v41.training.sharded_load import load_sharded_checkpoint
 
@@ -58,6 +59,7 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = check_checkpoint(recipe, self.rank)
         self.tokenizer = data_lib.load_tokenizer(recipe["tokenizer"]["path"], self.path)
+        self._print(check_layout(recipe, build_config(recipe, self.path), self.world, self.device))
         self._build_model()
         self._build_data()
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]

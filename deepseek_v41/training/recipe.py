@@ -105,6 +105,10 @@ DEFAULTS = {
         "mode": "online",
         "dir": None,
     },
+    "memory": {
+        "gpu_mem_gib": None,  # None = the device's memory; the start-up plan (training/plan.py) checks against it
+        "refuse_if_too_large": True,  # a layout the plan says cannot fit fails before the model is loaded
+    },
     "prewarm": True,
     "log_every_steps": 1,
 }
@@ -227,6 +231,8 @@ SCHEMA = {
     "wandb.name": _str(none=True),
     "wandb.mode": _enum("online", "offline", "disabled"),
     "wandb.dir": _str(none=True, example="logs/wandb"),
+    "memory.gpu_mem_gib": _float(0.0, lo_open=True, example=80, none=True),
+    "memory.refuse_if_too_large": _bool(),
     "prewarm": _bool(),
     "log_every_steps": _int(1),
 }
