@@ -39,7 +39,7 @@ def test_released_inventory_matches_the_architecture(released):
 
 def test_documented_layouts(released, monkeypatch):
     recipe, config, inventory, _ = released
-    monkeypatch.setattr(plan, "model_inventory", lambda _: inventory)
+    monkeypatch.setattr(plan, "model_inventory", lambda *_: inventory)
     gb200 = plan.plan_memory(config, recipe, 64, 4096)
     fits, total, _ = plan.verdict(gb200, 185)
     assert fits and 100 < total < 182
@@ -107,7 +107,7 @@ def test_trainer_check_refuses_a_layout_that_cannot_fit(released, monkeypatch):
     import torch
 
     recipe, config, inventory, _ = released
-    monkeypatch.setattr(plan, "model_inventory", lambda _: inventory)
+    monkeypatch.setattr(plan, "model_inventory", lambda *_: inventory)
     assert "skipped on CPU" in plan.check_layout(recipe, config, 64, torch.device("cpu"))
     recipe = {**recipe, "memory": {"gpu_mem_gib": 79.6, "refuse_if_too_large": True}}
     with pytest.raises(RuntimeError, match=r"needs [\d.]+ GiB per rank but [\d.]+ GiB are usable"):

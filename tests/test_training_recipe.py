@@ -122,3 +122,22 @@ def test_schema_covers_every_key():
     # checkpoint.* keys added by the checkpoint code are checked against their default's type until listed
     missing = [k for k in leaves if k not in SCHEMA and not k.startswith("checkpoint.")]
     assert not missing, f"recipe keys without a SCHEMA type: {missing}"
+
+
+def test_finetune_takes_the_recipe_positionally_or_as_config():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune", CONFIGS.parents[0] / "finetune.py")
+    finetune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(finetune)
+    rest = ["--optimizer.lr=1e-4", "--seed", "3"]
+    assert finetune.split_config(["r.yaml", *rest]) == ("r.yaml", rest)
+    assert finetune.split_config(["--config", "r.yaml", *rest]) == ("r.yaml", rest)
+    assert finetune.split_config([*rest, "-c", "r.yaml"]) == ("r.yaml", rest)
+    assert finetune.split_config(["--config=r.yaml", *rest]) == ("r.yaml", rest)
+    with pytest.raises(RecipeError, match="two recipes given"):
+        finetune.split_config(["a.yaml", "--config", "b.yaml"])
+    with pytest.raises(RecipeError, match="no recipe given"):
+        finetune.split_config(rest)
+    with pytest.raises(RecipeError, match="--config needs a recipe path"):
+        finetune.split_config(["--config"])
