@@ -59,7 +59,7 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = check_checkpoint(recipe, self.rank)
         self.tokenizer = data_lib.load_tokenizer(recipe["tokenizer"]["path"], self.path)
-        self._print(check_layout(recipe, build_config(recipe, self.path), self.world, self.device))
+        self._print(check_layout(recipe, build_config(recipe, self.path), self.world, self.device, self.tokenizer))
         self._build_model()
         self._build_data()
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]

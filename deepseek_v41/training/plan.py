@@ -210,14 +210,14 @@ def default_seq(recipe: dict) -> int:
     return recipe["dataset"]["max_length"] or 4096
 
 
-def check_layout(recipe: dict, config, world: int, device: torch.device) -> str:
+def check_layout(recipe: dict, config, world: int, device: torch.device, tokenizer=None) -> str:
     """The trainer's start-up check, before the model is built: the plan as text, or ``RuntimeError`` with the
     numbers when the layout cannot fit (``memory.refuse_if_too_large``).  On CPU there is nothing to check."""
     if device.type != "cuda":
         return "[finetune] memory plan: skipped on CPU (no device memory to check against)"
     mem = recipe["memory"]["gpu_mem_gib"] or torch.cuda.get_device_properties(device).total_memory / GIB
     seq = default_seq(recipe)
-    parts = plan_memory(config, recipe, world, seq)
+    parts = plan_memory(config, recipe, world, seq, tokenizer)
     text = format_plan(parts, mem, f"[finetune] memory plan per rank ({world} ranks, EP "
                                    f"{recipe['distributed']['ep_size']}, micro-batch "
                                    f"{recipe['step_scheduler']['local_batch_size']} x {seq} tokens):")

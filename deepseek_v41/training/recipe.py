@@ -156,8 +156,8 @@ def _bool(none=False):
     return _Type("true or false", lambda v: isinstance(v, bool), "true", none)
 
 
-def _str(none=False, example="VALUE"):
-    return _Type("a non-empty string", lambda v: isinstance(v, str) and v != "", example, none)
+def _str(none=False, example="VALUE", what="a non-empty string"):
+    return _Type(what, lambda v: isinstance(v, str) and v != "", example, none)
 
 
 def _enum(*choices, none=False):
@@ -224,8 +224,8 @@ SCHEMA = {
     "clip_grad_norm.max_norm": _float(0.0, example=1.0, none=True),  # 0 or null: no clipping
     "checkpoint.export_dir": _str(none=True, example="runs/export"),
     "checkpoint.save_every_steps": _int(0, example=50),
-    "checkpoint.dir": _str(none=True, example="runs/checkpoints"),
-    "checkpoint.resume_from": _str(none=True, example="latest"),
+    "checkpoint.dir": _str(none=True, example="runs/checkpoints", what="a folder path"),
+    "checkpoint.resume_from": _str(none=True, example="latest", what="a step_* folder path, latest"),
     "wandb.enable": _bool(),
     "wandb.project": _str(example="deepseek-v41"),
     "wandb.name": _str(none=True),
