@@ -1,9 +1,10 @@
 """Fine-tune DeepSeek-V4.1-Flash with FSDP2 + expert parallelism on HellaSwag.
 
     torchrun --nproc_per_node 2 examples/finetune.py examples/configs/tiny_cpu.yaml
-    torchrun ... examples/finetune.py examples/configs/deepseek_v41_flash_hellaswag.yaml \
+    torchrun ... examples/finetune.py --config examples/configs/deepseek_v41_flash_hellaswag.yaml \
         --model.config.pretrained_model_name_or_path=/path/to/DeepSeek-V4.1-Flash
 
+The recipe is the first argument or ``--config RECIPE.yaml`` (``-c``, ``--config=RECIPE.yaml``), not both.
 Any recipe key can be overridden as ``--section.key=value``; see deepseek_v41/training/recipe.py.
 """
 
@@ -12,12 +13,38 @@ import sys
 from deepseek_v41.training.loop import run
 from deepseek_v41.training.recipe import RecipeError, load_recipe, parse_overrides
 
+USAGE = "usage: torchrun ... examples/finetune.py [--config] RECIPE.yaml [--section.key=value ...]"
+
+
+def split_config(argv: list) -> tuple:
+    """-> (recipe path, override arguments), from the positional form or ``--config`` / ``-c``."""
+    paths, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config", "-c"):
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise RecipeError(f"{arg} needs a recipe path: {arg} RECIPE.yaml")
+            paths.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+        elif i == 0 and not arg.startswith("-"):
+            paths.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    if not paths:
+        raise RecipeError(f"no recipe given\n{USAGE}")
+    if len(paths) > 1:
+        raise RecipeError(f"two recipes given ({', '.join(paths)}); pass one, positionally or as --config")
+    return paths[0], rest
+
 
 def main(argv):
-    if not argv or argv[0].startswith("--"):
-        raise SystemExit("usage: torchrun ... examples/finetune.py RECIPE.yaml [--section.key=value ...]")
     try:
-        recipe = load_recipe(argv[0], parse_overrides(argv[1:]))
+        path, rest = split_config(argv)
+        recipe = load_recipe(path, parse_overrides(rest))
     except RecipeError as err:
         raise SystemExit(f"recipe error: {err}") from None
     run(recipe)

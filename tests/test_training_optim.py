@@ -3,6 +3,7 @@
 import itertools
 import math
 
+import pytest
 import torch
 
 from deepseek_v41.training.optim import RemainderAdamW, clip_grad_norm_, join_master, lr_at, split_master
@@ -68,3 +69,72 @@ def test_clip_uses_the_global_norm_and_replica_counts():
     norm = clip_grad_norm_([a, b], max_norm=1.0, replicas={b: 4})  # b counted once over 4 replicas
     assert math.isclose(float(norm), math.sqrt(12 + 1), rel_tol=1e-6)
     assert math.isclose(float(a.grad[0]), 2.0 / math.sqrt(13), rel_tol=1e-5)
+
+
+def _named_model():
+    from torch import nn
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    block = model.layers[0]
+    block.hc_attn_fn = nn.Parameter(torch.randn(6, 8))  # fp32 mHC matrix: no decay
+    block.hc_attn_scale = nn.Parameter(torch.randn(3))
+    block.attn_norm = nn.Module()
+    block.attn_norm.weight = nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    block.wq = nn.Linear(8, 8, bias=True, dtype=torch.bfloat16)  # weight decays, bias does not
+    block.attn_sink = nn.Parameter(torch.zeros(2))
+    block.gate_bias = nn.Parameter(torch.zeros(4))  # router bias
+    block.engram = nn.Module()
+    block.engram.embed = nn.Embedding(16, 8, dtype=torch.bfloat16)  # Engram table: no decay
+    block.engram.q_weight = nn.Parameter(torch.ones(2, 8, dtype=torch.bfloat16))
+    return model
+
+
+def _cfg(**kw):
+    return {"impl": "auto", "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.5,
+            "exp_avg_dtype": "float32", "exp_avg_sq_dtype": "float32", "fused": None, "no_decay": None, **kw}
+
+
+def test_weight_decay_on_matrices_only():
+    from deepseek_v41.training.optim import build_optimizer
+
+    model = _named_model()
+    opt = build_optimizer(list(model.named_parameters()), _cfg(), "cpu")
+    assert opt.impl == "torch_remainder" and isinstance(opt, RemainderAdamW)  # auto = ours, never TE
+    decayed = {n for g in opt.param_groups if g["weight_decay"] for n in g["names"]}
+    assert decayed == {"layers.0.wq.weight"}
+    assert all(g["weight_decay"] == 0.0 for g in opt.param_groups if "layers.0.engram.embed.weight" in g["names"])
+    # configurable: no pattern -> every matrix decays (vectors never do)
+    opt = build_optimizer(list(model.named_parameters()), _cfg(no_decay=[]), "cpu")
+    decayed = {n for g in opt.param_groups if g["weight_decay"] for n in g["names"]}
+    assert decayed == {"layers.0.wq.weight", "layers.0.hc_attn_fn", "layers.0.engram.embed.weight",
+                       "layers.0.engram.q_weight"}
+
+
+def test_untouched_engram_rows_and_zero_gradient_matrices():
+    """With a zero gradient the Adam step is 0: only decay can move a weight.  Decayed matrices shrink by
+    exactly (1 - lr * wd); Engram rows, norms and hc_* stay bit-identical."""
+    from deepseek_v41.training.optim import build_optimizer
+
+    model = _named_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer(list(model.named_parameters()), _cfg(), "cpu")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for _ in range(3):
+        opt.step()
+    for name, p in model.named_parameters():
+        if name == "layers.0.wq.weight":
+            assert not torch.equal(p.detach(), before[name])
+            torch.testing.assert_close(p.detach().float(), before[name].float() * (1 - 1e-2 * 0.5) ** 3,
+                                       rtol=1e-2, atol=1e-3)
+        else:
+            assert torch.equal(p.detach(), before[name]), name
+
+
+def test_te_only_by_name():
+    from deepseek_v41.training.optim import build_optimizer
+
+    model = _named_model()
+    with pytest.raises((ImportError, RuntimeError), match="optimizer.impl=te"):
+        build_optimizer(list(model.named_parameters()), _cfg(impl="te"), "cpu")

@@ -15,8 +15,6 @@ The ``torch`` dispatcher follows the Megatron "alltoall" pattern, all differenti
 6. sum the ``k`` copies of each token in fp32 (``combine_top_k``, as the local path does).
 """
 
-import importlib.util
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -81,20 +79,10 @@ class AllToAllDispatcher:
 
 
 def make_dispatcher(name: str, group):
-    """``torch``: the all-to-all above.  ``hybridep``: DeepEP's hybrid-ep buffer (GPU, NVLink domain)."""
+    """The expert-parallel token exchange for ``model.config.backend.dispatcher``: ``torch`` (all-to-all above)."""
     if name == "torch":
         return AllToAllDispatcher(group)
-    if name == "hybridep":
-        if importlib.util.find_spec("deep_ep") is None:
-            raise RuntimeError(
-                "dispatcher 'hybridep' needs DeepEP's hybrid-ep branch (the `deep_ep` package with HybridEPBuffer), "
-                "which is not installed; install it, or use --model.config.backend.dispatcher=torch"
-            )
-        raise NotImplementedError(
-            "dispatcher 'hybridep' is not wired to deep_ep's HybridEPBuffer in this version; "
-            "use --model.config.backend.dispatcher=torch (all-to-all, same semantics)"
-        )
-    raise ValueError(f"unknown expert dispatcher {name!r}; use torch or hybridep")
+    raise ValueError(f"unknown expert dispatcher {name!r}; use torch")
 
 
 def routed_expert_modules(model: nn.Module) -> list:

@@ -31,8 +31,9 @@ from deepseek_v41.training.expert_parallel import (
     routed_expert_modules,
 )
 from deepseek_v41.training.fsdp import parallelize
-from deepseek_v41.training.model_setup import build_meta_model, check_checkpoint
+from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
+from deepseek_v41.training.plan import check_layout
 from deepseek_v41.training.recipe import validate_world
 from deepseek_v41.training.sharded_load import load_sharded_checkpoint
 
@@ -52,11 +53,16 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = check_checkpoint(recipe, self.rank)
         self.tokenizer = data_lib.load_tokenizer(recipe["tokenizer"]["path"], self.path)
+        self._print(check_layout(recipe, build_config(recipe, self.path), self.world, self.device, self.tokenizer))
         self._build_model()
         self._build_data()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.params = params
-        self.optimizer = build_optimizer(params, recipe["optimizer"], self.device.type)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.optimizer = build_optimizer(named, recipe["optimizer"], self.device.type)
+        self.optimizer_impl = self.optimizer.impl  # what optimizer.impl resolved to (logs, checkpoints)
+        decayed = sum(len(g["params"]) for g in self.optimizer.param_groups if g["weight_decay"])
+        self._print(f"[finetune] optimizer {self.optimizer_impl}: weight decay on {decayed} of "
+                    f"{len(self.params)} parameter tensors")
         self.wandb = _init_wandb(recipe) if self.rank == 0 and recipe["wandb"]["enable"] else None
         self.checkpointer = Checkpointer(self)
 
@@ -70,7 +76,7 @@ class Trainer:
         if ep > 1 and dispatcher == "local":
             raise ValueError(
                 f"distributed.ep_size={ep} needs an expert-parallel dispatcher; set "
-                "--model.config.backend.dispatcher=torch (all-to-all) or hybridep"
+                "--model.config.backend.dispatcher=torch (all-to-all)"
             )
         expert_params = apply_expert_parallel(self.model, self.ep_mesh, dispatcher)
         self.engram_group = dist.new_group(list(range(self.world)))

