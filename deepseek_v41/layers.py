@@ -62,7 +62,9 @@ def is_plain_linear(module: nn.Module) -> bool:
     """True for an unwrapped ``nn.Linear`` / TE ``Linear``: the fast paths (the grouped wo_a GEMM, the bf16x3
     head) may then read its ``weight``.  Anything else (a PEFT LoRA layer, a replaced module) is called as a
     module, so whatever it adds to the product is applied."""
-    return type(module) is nn.Linear or (te is not None and type(module) is te.Linear)
+    if type(module) is nn.Linear:
+        return module.bias is None  # the fast paths have no bias term
+    return te is not None and type(module) is te.Linear
 
 
 class FrozenLinear(nn.Module):
@@ -81,7 +83,7 @@ class FrozenLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}: the frozen indexer's "
-                "projection, which no adapter can train; leave it out with exclude_modules=['indexer'] "
+                "projection, which no adapter can train; leave it out with exclude_modules=r'.*\\.indexer\\..*' "
                 "or a target_modules regex")
 
 
