@@ -10,6 +10,7 @@ Parameter names are the released checkpoint's (``embed.weight``, ``layers.{i}.at
 import contextlib
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -336,6 +337,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         for module in self.modules():  # hard top-k: the indexer gets no LM gradient, so it is frozen
             if hasattr(module, "indexer"):
                 module.indexer.requires_grad_(False)
+            if isinstance(module, RoutedExperts):  # load_state_dict also takes the released per-expert names
+                module.register_load_state_dict_pre_hook(stack_released_experts)
 
     def forward(
         self, input_ids=None, attention_mask=None, position_ids=None, pixel_values=None, image_grid_hws=None,
@@ -406,6 +409,14 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return merge_image_embeddings(h, vision_token_types, aligned, self.image_start, self.image_end, self.image_newline)
 
 
+@dataclass
+class DeepseekV41CausalLMOutput(CausalLMOutput):
+    """``CausalLMOutput`` plus the head's input: the causal LM is its own backbone (``model.base_model`` is the
+    model), so tools that run the backbone and apply the head themselves (TRL's chunked LM head) read it here."""
+
+    last_hidden_state: torch.Tensor | None = None
+
+
 class DeepseekV41ForCausalLM(DeepseekV41Model):
     """Backbone + fp32 head: logits are fp32 and never rounded to bf16."""
 
@@ -420,7 +431,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
 
     def forward(
         self, input_ids=None, labels=None, attention_mask=None, num_items_in_batch=None, return_dict=None, **kwargs
-    ) -> CausalLMOutput:
+    ) -> DeepseekV41CausalLMOutput:
         # -> logits fp32 [b, s, vocab]; loss = shifted causal CE over labels != -100: the mean over the counted
         # tokens, or with num_items_in_batch (the Trainer's count over all gradient-accumulation micro-batches)
         # the sum divided by it, so that the accumulated gradient is the mean over the whole batch
@@ -449,8 +460,26 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
                 loss = total / (targets != IGNORE_INDEX).sum().clamp(min=1)
             else:
                 loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
-        output = CausalLMOutput(loss=loss, logits=logits, hidden_states=backbone.hidden_states)  # logits fp32 [b, s, vocab]
+        output = DeepseekV41CausalLMOutput(  # logits fp32 [b, s, vocab]
+            loss=loss, logits=logits, hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state
+        )
         return output.to_tuple() if return_dict is False else output
+
+
+def stack_released_experts(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook of ``RoutedExperts``: released per-expert tensors (``{prefix}{e}.w1.weight``,
+    what ``save_pretrained`` writes and the Trainer reloads on resume, possibly one shard at a time) are copied
+    into their rows of the stacked ``w1`` / ``w2`` / ``w3``, which then stand in the state dict as loaded."""
+    from .checkpoint import released_to_model_name
+
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        name, expert = released_to_model_name(key)
+        if expert is None:
+            continue
+        stacked = getattr(module, name.removeprefix(prefix))
+        with torch.no_grad():
+            stacked[expert].copy_(state_dict.pop(key))
+        state_dict[name] = stacked
 
 
 def causal_lm_targets(labels: torch.Tensor, attention_mask=None) -> torch.Tensor:
@@ -616,10 +645,9 @@ def plan_device_map(model, plan: str, dtype, max_memory=None) -> dict:
 
 
 def as_device(device) -> torch.device:
-    device = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
-    if device.type in ("meta", "disk"):
-        raise ValueError(f"device {device} is not supported in device_map: weight offloading is out of scope")
-    return device
+    if str(device) in ("meta", "disk"):
+        raise ValueError(f"device {device!r} is not supported in device_map: weight offloading is out of scope")
+    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
 
 
 def placement_of(name: str, placement: dict):

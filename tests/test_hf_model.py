@@ -155,8 +155,9 @@ def test_output_hidden_states_and_return_dict(model):
     torch.testing.assert_close(hidden[0], model.embed(IDS))
     torch.testing.assert_close(model.head(hidden[-1]), plain.logits)  # the last entry is the head's input
     assert plain.hidden_states is None
-    assert isinstance(as_tuple, tuple) and len(as_tuple) == 2
+    assert isinstance(as_tuple, tuple) and as_tuple[0].dim() == 0  # (loss, logits, last_hidden_state)
     torch.testing.assert_close(as_tuple[1], plain.logits)
+    torch.testing.assert_close(as_tuple[2], hidden[-1])
     assert isinstance(backbone_tuple, tuple) and torch.equal(backbone_tuple[0], hidden[-1])
 
 
