@@ -131,7 +131,7 @@ def test_resize_token_embeddings_resizes_the_head_and_engram_hashes_new_ids(mode
 def test_engram_hash_gives_new_ids_their_own_rows():
     cmap = torch.tensor([0, 1, 1, 2, 3])  # 5 known ids, 4 compressed ids
     primes = engram_primes([1], 3, 2, 97)[1]
-    hash_of = lambda ids: engram_hash(  # noqa: E731
+    hash_of = lambda ids: engram_hash(
         torch.tensor([ids]), cmap, torch.tensor([3, 5, 7]), primes, engram_offsets(primes), max_ngram_size=3, pad_id=0
     )
     known = hash_of([4, 3, 2])
@@ -195,9 +195,9 @@ def test_checkpointing_takes_transformers_signature(model):
 def test_compiled_moe_runs_without_recompiling(experts, dtype):
     # torch.compile traces _grouped_mm only in bf16 (fp32 falls back to the loop), and the per-expert loop runs
     # eagerly inside the compiled graph: a new split of tokens over the experts is no new graph
+    from conftest import tiny_config
     from torch._dynamo.utils import counters
 
-    from conftest import tiny_config
     from deepseek_v41.modeling_deepseek_v41 import default_dtype
     from deepseek_v41.moe import MoE
 
