@@ -150,27 +150,18 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def set_output_embeddings(self, new_embeddings):
         self.head = new_embeddings
 
-    # ---- dtype casts keep the fp32 islands fp32 (as loading with dtype= does) ----
-    def to(self, *args, **kwargs):
-        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is None or not dtype.is_floating_point:
-            return super().to(*args, **kwargs)
+    def _apply(self, fn, recurse=True):
+        # A cast to bf16 / fp16 (model.to(dtype), .half(), .bfloat16(), also through a wrapper such as PEFT's, whose
+        # cast reaches this model here) leaves the fp32 islands fp32, as loading with dtype= does: they only follow
+        # the cast's device.  An empty probe tells a cast from other tensor functions (moves, to_empty, ...).
+        if fn(torch.empty(0)).dtype not in (torch.bfloat16, torch.float16):
+            return super()._apply(fn, recurse)
         islands = {id(t) for t in fp32_island_tensors(self)}
 
-        def convert(t):
-            wanted = (torch.float32 if id(t) in islands else dtype) if t.is_floating_point() else None
-            return t.to(device, wanted, non_blocking)
+        def cast(t):
+            return t.to(device=fn(t.new_empty(0)).device) if id(t) in islands else fn(t)
 
-        return self._apply(convert)
-
-    def half(self):
-        return self.to(torch.float16)
-
-    def bfloat16(self):
-        return self.to(torch.bfloat16)
-
-    def float(self):
-        return self.to(torch.float32)
+        return super()._apply(cast, recurse)
 
     def to_empty(self, *, device, recurse: bool = True):
         # Non-persistent derived buffers (Engram hash constants) are garbage after to_empty: restore them.
@@ -424,7 +415,8 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
 
     def __init__(self, config: DeepseekV41Config, tokenizer=None):
         super().__init__(config, tokenizer=tokenizer)
-        if getattr(self, "generation_config", None) is None:  # what TRL and the Trainer read; GenerationMixin sets its own
+        # what TRL and the Trainer read (GenerationMixin, where present, has already set one)
+        if getattr(self, "generation_config", None) is None:
             from transformers import GenerationConfig
 
             self.generation_config = GenerationConfig.from_model_config(config)
@@ -444,16 +436,16 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
             check_targets(labels, self.config.text_config.vocab_size)  # a host sync, like the attention-mask check
         backbone = super().forward(input_ids, attention_mask=attention_mask, **kwargs)
         hidden = backbone.last_hidden_state.to(self.head.weight.device)
-        plain_head = is_plain_linear(self.head)  # else (PEFT, a replaced head) the module is called
         loss = None
         if labels is None:
-            logits = self.head_matmul(hidden, self.head.weight) if plain_head else self.head(hidden.float()).float()
+            logits = self.head_logits(hidden)
         else:
-            targets = causal_lm_targets(labels.to(hidden.device), attention_mask)
-            if self.head_loss is not None and plain_head:  # bf16x3: the loss fused into the head's backward
+            mask = None if attention_mask is None else attention_mask.to(hidden.device)
+            targets = causal_lm_targets(labels.to(hidden.device), mask)
+            if self.head_loss is not None and is_plain_linear(self.head):  # bf16x3: the loss fused into the backward
                 logits, total = self.head_loss(hidden, self.head.weight, targets)
             else:
-                logits = self.head_matmul(hidden, self.head.weight) if plain_head else self.head(hidden.float()).float()
+                logits = self.head_logits(hidden)
                 flat = logits.view(-1, logits.shape[-1])
                 total = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")
             if num_items_in_batch is None:
@@ -464,6 +456,13 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
             loss=loss, logits=logits, hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state
         )
         return output.to_tuple() if return_dict is False else output
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [b, s, dim] -> fp32 logits [b, s, vocab]: the head kernel on a plain head; a wrapped or replaced
+        # head (PEFT LoRA, ...) is called as a module, so what it adds is applied
+        if is_plain_linear(self.head):
+            return self.head_matmul(hidden, self.head.weight)
+        return self.head(hidden.float()).float()
 
 
 def stack_released_experts(module, state_dict, prefix, *args) -> None:

@@ -108,8 +108,11 @@ def test_dtype_cast_keeps_fp32_islands(model, v4_tokenizer, dtype):
 
 def test_islands_are_not_rounded_by_a_cast(model):
     fn = model.layers[3].hc_attn_fn.detach().clone()
-    model.bfloat16()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["head", "wo_a"]))
+    lora.to(torch.bfloat16)  # through the PEFT wrapper
     assert torch.equal(model.layers[3].hc_attn_fn, fn), "an fp32 island went through bf16"
+    assert model.head.lora_A["default"].weight.dtype == torch.float32  # the head's adapter is part of the island
+    assert model.layers[0].attn.wo_a.lora_A["default"].weight.dtype == torch.bfloat16
 
 
 def test_resize_token_embeddings_resizes_the_head_and_engram_hashes_new_ids(model, v4_tokenizer):

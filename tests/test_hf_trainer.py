@@ -91,3 +91,31 @@ def test_load_state_dict_takes_released_expert_names(base):
     assert not result.unexpected_keys
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def save_pretrained_takes_state_dict() -> bool:
+    import inspect
+
+    from deepseek_v41.modeling_deepseek_v41 import DeepseekV41PreTrainedModel
+
+    return "state_dict" in inspect.signature(DeepseekV41PreTrainedModel.save_pretrained).parameters
+
+
+@pytest.mark.skipif(not save_pretrained_takes_state_dict(),
+                    reason="Trainer.save_model needs save_pretrained(state_dict=...) (the export work)")
+def test_trainer_resumes_from_its_own_checkpoint(base, tmp_path):
+    def run(max_steps, resume=None, out="run"):
+        arguments = TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=max_steps, per_device_train_batch_size=2, learning_rate=0.5,
+            optim="sgd", lr_scheduler_type="constant", save_strategy="steps", save_steps=1, report_to=[],
+            use_cpu=True, disable_tqdm=True, seed=3,
+        )
+        model = copy.deepcopy(base)
+        Trainer(model=model, args=arguments, train_dataset=examples(8)).train(resume_from_checkpoint=resume)
+        return model
+
+    straight = run(3, out="straight")
+    run(2, out="interrupted")
+    resumed = run(3, resume=str(tmp_path / "interrupted" / "checkpoint-2"), out="interrupted")
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
