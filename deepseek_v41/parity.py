@@ -3,6 +3,8 @@
 Not part of the modeling path: used by the parity tests and ``conversion/compare_with_official.py``.
 """
 
+from pathlib import Path
+
 import torch
 
 from .attention import CSA2State
@@ -86,9 +88,22 @@ def model_inputs(g) -> dict:
     return inputs
 
 
-def reference_logits(g, tag, model):
-    # The README's definition: logits = stored final_hidden (fp32) × head, over the full vocabulary.
-    return g[f"{tag}.final_hidden"].float() @ model.head.weight.float().T
+def snapshot_head_weight(snapshot) -> torch.Tensor:
+    """The snapshot's stored ``head.weight`` as fp32 [vocab, dim], read with safetensors: the official side's
+    head, independent of our loader and of the head our model holds."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(snapshot).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names = f.keys()
+            if "head.weight" in names:
+                return f.get_tensor("head.weight").float()
+    raise FileNotFoundError(f"no head.weight in the safetensors files of {snapshot}")
+
+
+def reference_logits(g, tag, head_weight: torch.Tensor) -> torch.Tensor:
+    # The README's definition: logits = stored final_hidden (fp32) × the snapshot's head, full vocabulary.
+    return g[f"{tag}.final_hidden"].float() @ head_weight.float().T
 
 
 def teacher_forced(model, g) -> list[dict]:

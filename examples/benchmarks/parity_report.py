@@ -21,6 +21,7 @@ from deepseek_v41.parity import (
     logits_metrics,
     model_inputs,
     reference_logits,
+    snapshot_head_weight,
     teacher_forced,
 )
 
@@ -39,7 +40,7 @@ def main():
             model = AutoModelForCausalLM.from_pretrained(fixture / "snapshot", dtype=dtype)
             with torch.no_grad():
                 logits = model(**model_inputs(g)).logits
-            m = logits_metrics(reference_logits(g, tag, model), logits)
+            m = logits_metrics(reference_logits(g, tag, snapshot_head_weight(fixture / "snapshot")), logits)
             verdict = "PASS" if not gate_failures(m, GATES[precision]) else f"FAIL {gate_failures(m, GATES[precision])}"
             lines.append(f"{fixture.name} {precision} vs {tag}: mean KL {m['mean_kl']:.2e}  p95 KL {m['p95_kl']:.2e}  "
                          f"max KL {m['max_kl']:.2e}  cosine {m['cosine']:.7f}  top-1 {m['top1']:.4f}  "

@@ -23,6 +23,7 @@ from deepseek_v41.parity import (
     logits_metrics,
     model_inputs,
     reference_logits,
+    snapshot_head_weight,
     teacher_forced,
 )
 
@@ -58,7 +59,8 @@ def test_end_to_end(fixture, precision):
     model = load_model(fixture, dtype)
     with torch.no_grad():
         logits = model(**model_inputs(g)).logits
-    metrics = logits_metrics(reference_logits(g, tag, model), logits)
+    head = snapshot_head_weight(golden_dir(fixture) / "snapshot")
+    metrics = logits_metrics(reference_logits(g, tag, head), logits)
     print(fixture, precision, json.dumps({k: float(f"{v:.4g}") for k, v in metrics.items()}))
     failures = gate_failures(metrics, GATES[precision])
     if failures:  # localise: which layer and tensor diverge first
@@ -131,3 +133,21 @@ def test_released_snapshot_through_trust_remote_code(tmp_path):
     with torch.no_grad():
         expected = load_model(fixture, torch.bfloat16)(golden(fixture)["input_ids"]).logits
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+
+
+
+def test_a_wrong_head_in_our_model_fails_end_to_end():
+    # The reference's head is read from the snapshot, not taken from our model: a head our loader got wrong
+    # (25 % too large: the same argmax, a sharper softmax) must fail the gates.
+    fixture = FIXTURES[0]
+    g, model = golden(fixture), load_model(fixture, torch.bfloat16)
+    reference = reference_logits(g, "bf16w_bf16", snapshot_head_weight(golden_dir(fixture) / "snapshot"))
+    saved = model.head.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            model.head.weight.mul_(1.25)
+            logits = model(**model_inputs(g)).logits
+    finally:
+        with torch.no_grad():
+            model.head.weight.copy_(saved)
+    assert gate_failures(logits_metrics(reference, logits), GATES["bf16"])
