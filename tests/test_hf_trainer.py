@@ -66,12 +66,14 @@ def test_sft_trainer_runs(base, tmp_path, tokenizer_file):
     config = trl.SFTConfig(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True,
+        bf16=False,  # TRL's default (bf16 autocast) would leave CPU autocast switched on for later tests
     )
     trainer = trl.SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
                              processing_class=tokenizer)
     result = trainer.train()
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(model.layers[0].attn.wq_a.weight, base.layers[0].attn.wq_a.weight)
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_load_state_dict_takes_released_expert_names(base):
