@@ -9,6 +9,10 @@ Layer modes (from ``compress_ratios`` / ``kv_source_layer_ids`` / ``index_source
 * ``reuse``   — reads the latest Full layer's compressed KV and the latest Full/Reindex top-k.
 What sources publish lives in a per-forward ``CSA2State`` (never module globals), so activation
 recomputation sees the same tensors.
+
+With a decode cache (``cache_deepseek_v41``) a prefill also fills each layer's cache, and a decode step (one
+new token per row, each row at its own position) reads it: the window ring, the Full layers' cached entries
+(published to their Reuse / Reindex consumers as in a prefill) and the compressor's open group.
 """
 
 import torch
@@ -25,10 +29,13 @@ class CSA2State:
 
     Written once per forward; a second write of the same slot (activation recomputation re-running a
     source layer) keeps the first value, so consumers always see what the original forward produced.
+    ``cache``: the decode cache a prefill fills (``lengths`` [b]: real tokens per left-aligned row) or a decode
+    step reads (``positions`` [b]: each row's position of its one new token); None without a cache.
     """
 
-    def __init__(self):
+    def __init__(self, cache=None, lengths=None, positions=None):
         self._slots = {}
+        self.cache, self.lengths, self.positions = cache, lengths, positions
 
     def publish(self, layer: int, name: str, value: torch.Tensor) -> None:
         self._slots.setdefault((layer, name), value)
@@ -110,13 +117,18 @@ class Compressor(nn.Module):
         # x [b, s, dim] -> pre-RoPE latent [b, s // ratio, head_dim]; a trailing partial group is dropped
         if self.ratio == 1:
             return self.norm(self.wkv(x))
-        s = x.shape[1]
-        T = s // self.ratio
-        x32 = x[:, : T * self.ratio].float()
-        kv = self.wkv(x32).unflatten(1, (T, self.ratio))  # [b, T, r, head_dim] fp32
-        score = self.wgate(x32).unflatten(1, (T, self.ratio))
-        latent = (torch.softmax(score, dim=2) * kv).sum(2)
-        return self.norm(latent.to(x.dtype))
+        T = x.shape[1] // self.ratio
+        kv, score = self.project(x[:, : T * self.ratio])
+        return self.pool(kv.unflatten(1, (T, self.ratio)), score.unflatten(1, (T, self.ratio)), x.dtype)
+
+    def project(self, x: torch.Tensor):
+        # x [..., dim] -> fp32 (kv, gate score) [..., head_dim] (ratio > 1)
+        x32 = x.float()
+        return self.wkv(x32), self.wgate(x32)
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, dtype) -> torch.Tensor:
+        # fp32 [..., r, head_dim] each -> latent [..., head_dim]: per-channel softmax over the group's r tokens
+        return self.norm((torch.softmax(score, dim=-2) * kv).sum(-2).to(dtype))
 
 
 class Indexer(nn.Module):
@@ -144,17 +156,18 @@ class Indexer(nn.Module):
         return score_fn(q, weights, index_k, ratio)
 
 
-def candidate_blocks(scores: torch.Tensor, ratio: int, block: int, topk_blocks: int) -> torch.Tensor:
-    """Stage 1 of the two-level top-k (§5.5): bool [b, s, T], True inside the kept blocks of each query."""
+def candidate_blocks(scores: torch.Tensor, ratio: int, block: int, topk_blocks: int, visible=None) -> torch.Tensor:
+    """Stage 1 of the two-level top-k (§5.5): bool [b, s, T], True inside the kept blocks of each query.
+    ``visible`` [b or 1, s]: entries each query sees (default: query i of a prefill sees (i + 1) // ratio)."""
     s, T = scores.shape[1:]
     n_blocks = -(-T // block)
     padded = nn.functional.pad(scores, (0, n_blocks * block - T), value=float("-inf"))
     block_scores = padded.unflatten(-1, (n_blocks, block)).amax(-1)  # [b, s, n_blocks]
     # The block holding the newest visible entry is always kept: it is partly filled and could lose.
-    visible = (torch.arange(s, device=scores.device) + 1) // ratio
+    if visible is None:
+        visible = ((torch.arange(s, device=scores.device) + 1) // ratio).unsqueeze(0)
     newest = ((visible - 1) // block).clamp(min=0)
-    force = torch.zeros(s, n_blocks, dtype=torch.bool, device=scores.device)
-    force[torch.arange(s, device=scores.device), newest] = visible > 0
+    force = (torch.arange(n_blocks, device=scores.device) == newest.unsqueeze(-1)) & (visible > 0).unsqueeze(-1)
     block_scores = block_scores.masked_fill(force, float("inf"))
     top, chosen = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
     keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, chosen, top > float("-inf"))
@@ -209,18 +222,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, state: CSA2State) -> torch.Tensor:
         # x [b, s, dim] (normed attention input) -> [b, s, dim]
+        if state.positions is not None:
+            return self._decode_step(x, state)
         b, s, _ = x.shape
         positions = torch.arange(s, device=x.device)
         cis = rope_cis(positions, self.rope_freqs)  # [s, rope_dim / 2]
-
-        qr = self.q_norm(self.wq_a(x))  # [b, s, q_lora]
-        q = self.wq_b(qr)  # [b, s, h·head_dim]
-        if self.q_head_rescale:  # V4's per-head q RMS; absent from the official V4.1 code (off by default)
-            qh = q.float().unflatten(-1, (self.n_heads, self.head_dim))
-            q = (qh * torch.rsqrt(qh.square().mean(-1, keepdim=True) + self.eps)).flatten(2).to(q.dtype)
-        # q is fresh (not a view, not saved by another op): rotate each head's tail in place
-        q = apply_rope(q, cis, inplace=True, head_dim=self.head_dim).unflatten(-1, (self.n_heads, self.head_dim))
-        window_kv = self.fp8_qdq(apply_rope(self.kv_norm(self.wkv(x)), cis))  # [b, s, head_dim]
+        qr, q = self._queries(x, cis)
+        window_kv = self._window_kv(x, cis)  # [b, s, head_dim]
         idx = sliding_window_indices(s, self.window, x.device).expand(b, s, -1)
 
         kv = window_kv
@@ -229,8 +237,30 @@ class Attention(nn.Module):
             topk = state.read(self.index_source, "topk")  # [b, s, k] entry ids, -1 = none
             kv = torch.cat([window_kv, compressed_kv], dim=1)
             idx = torch.cat([idx, torch.where(topk >= 0, topk + s, -1)], dim=-1)
+        if state.cache is not None:
+            self._fill_cache(state, x, window_kv)
 
         o = self.sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)  # [b, s, h, head_dim]
+        return self._output(o, cis)
+
+    def _queries(self, x, cis):
+        # x [b, s, dim], cis [s, rope_dim / 2] -> qr [b, s, q_lora], q [b, s, h, head_dim] (RoPE'd)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr)  # [b, s, h·head_dim]
+        if self.q_head_rescale:  # V4's per-head q RMS; absent from the official V4.1 code (off by default)
+            qh = q.float().unflatten(-1, (self.n_heads, self.head_dim))
+            q = (qh * torch.rsqrt(qh.square().mean(-1, keepdim=True) + self.eps)).flatten(2).to(q.dtype)
+        # q is fresh (not a view, not saved by another op): rotate each head's tail in place
+        q = apply_rope(q, cis, inplace=True, head_dim=self.head_dim).unflatten(-1, (self.n_heads, self.head_dim))
+        return qr, q
+
+    def _window_kv(self, x, cis):
+        # x [b, s, dim] -> the window's K = V [b, s, head_dim]: post-RoPE, FP8-rounded
+        return self.fp8_qdq(apply_rope(self.kv_norm(self.wkv(x)), cis))
+
+    def _output(self, o, cis):
+        # o [b, s, h, head_dim] -> [b, s, dim]
+        b, s = o.shape[:2]
         o = apply_rope(o, cis, inverse=True)  # K = V carries rotated channels: undo at the query position
         o = self._grouped_wo_a(o.reshape(b * s, self.o_groups, -1))  # [b·s, groups·o_lora]
         return self.wo_b(o.view(b, s, -1))
@@ -252,18 +282,92 @@ class Attention(nn.Module):
             latent = self.compressor(x)  # pre-RoPE [b, T, head_dim]
             T = latent.shape[1]
             entry_cis = rope_cis(positions[:T] * r, self.rope_freqs)  # entry j sits at its first token j·r
-            with torch.no_grad():  # index keys only feed the hard top-k
-                state.publish(self.layer, "index_k", self.indexer.keys(latent, entry_cis))
-            state.publish(self.layer, "compressed_kv", self.fp4_e4m3_scale_qdq(apply_rope(latent, entry_cis)))
+            self._publish_entries(state, latent, entry_cis)
         if self.mode in ("full", "reindex"):
-            index_k = state.read(self.kv_source, "index_k")
-            with torch.no_grad():  # hard top-k: the indexer gets no LM gradient
-                scores = self.indexer.scores(x, qr, cis, index_k, r, self.indexer_scores)
-                if self.layer == self.candidate_source:
-                    state.publish(self.layer, "candidates", candidate_blocks(
-                        scores, r, self.candidate_block_size, self.candidate_topk_blocks))
-                elif 0 <= self.candidate_source < self.layer:
-                    candidates = state.read(self.candidate_source, "candidates")
-                    scores = scores.masked_fill(~candidates, float("-inf"))
-                state.publish(self.layer, "topk", select_topk(scores, self.index_topk))
+            self._publish_topk(state, x, qr, cis, self.indexer_scores, None)
+        return state.read(self.kv_source, "compressed_kv")
+
+    def _publish_entries(self, state, latent, entry_cis):
+        # pre-RoPE latent [b, T, head_dim] -> published index keys and compressed KV (post-RoPE, FP4-rounded)
+        with torch.no_grad():  # index keys only feed the hard top-k
+            state.publish(self.layer, "index_k", self.indexer.keys(latent, entry_cis))
+        state.publish(self.layer, "compressed_kv", self.fp4_e4m3_scale_qdq(apply_rope(latent, entry_cis)))
+
+    def _publish_topk(self, state, x, qr, cis, score_fn, visible):
+        # visible: None (a prefill: query i sees (i + 1) // ratio entries) or [b, 1] for a decode step
+        index_k = state.read(self.kv_source, "index_k")
+        with torch.no_grad():  # hard top-k: the indexer gets no LM gradient
+            scores = self.indexer.scores(x, qr, cis, index_k, self.ratio, score_fn)  # [b, s, T]
+            if self.layer == self.candidate_source:
+                state.publish(self.layer, "candidates", candidate_blocks(
+                    scores, self.ratio, self.candidate_block_size, self.candidate_topk_blocks, visible))
+            elif 0 <= self.candidate_source < self.layer:
+                candidates = state.read(self.candidate_source, "candidates")
+                scores = scores.masked_fill(~candidates, float("-inf"))
+            state.publish(self.layer, "topk", select_topk(scores, self.index_topk))
+
+    # ---- the decode cache ----------------------------------------------------------------------------------
+
+    def _fill_cache(self, state, x, window_kv):
+        # After a prefill over left-aligned rows (real tokens at 0 .. lengths-1): this layer's decode state.
+        layer_cache = state.cache.layers[self.layer]
+        layer_cache.fill_window(window_kv, state.lengths)
+        if self.mode != "full":
+            return
+        layer_cache.fill_compressed(state.read(self.layer, "compressed_kv"), state.read(self.layer, "index_k"))
+        if self.ratio > 1:  # the open group: positions (lengths // r)·r + j in slot j
+            r = self.ratio
+            pos = (state.lengths // r * r).unsqueeze(1) + torch.arange(r, device=x.device)
+            rows = x.gather(1, pos.clamp(max=x.shape[1] - 1).unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+            layer_cache.fill_carry(*self.compressor.project(rows))
+
+    def _decode_step(self, x, state):
+        # x [b, 1, dim]: one new token per row, row i at position state.positions[i] -> [b, 1, dim].
+        # The projections run on the batch as one sequence [1, b, ·] (one RoPE position per token); the
+        # attention gathers per row from the cached window ring and compressed entries.
+        pos = state.positions
+        layer_cache = state.cache.layers[self.layer]
+        xt = x.transpose(0, 1)  # [1, b, dim]
+        cis = rope_cis(pos, self.rope_freqs)  # [b, rope_dim / 2]
+        qr, q = self._queries(xt, cis)
+        ring = layer_cache.push_window(self._window_kv(xt, cis)[0], pos)  # [b, W, head_dim]
+        kv, idx = ring, layer_cache.window_slots(pos)  # idx [b, 1, W]
+        if self.ratio:
+            compressed_kv = self._compressed_decode(xt, qr, cis, state)  # [b, T, head_dim]
+            topk = state.read(self.index_source, "topk")  # [b, 1, k]
+            picked = compressed_kv.gather(1, topk.clamp(min=0).transpose(1, 2).expand(-1, -1, kv.shape[-1]))
+            slots = torch.arange(topk.shape[-1], device=x.device) + self.window
+            kv = torch.cat([ring, picked.to(ring.dtype)], dim=1)  # [b, W + k, head_dim]
+            idx = torch.cat([idx, torch.where(topk >= 0, slots, -1)], dim=-1)
+        o = sparse_attention_torch(q.transpose(0, 1), kv, self.attn_sink, idx, self.head_dim**-0.5)
+        return self._output(o.transpose(0, 1), cis).transpose(0, 1)
+
+    def _compressed_decode(self, xt, qr, cis, state):
+        # Full: the new token joins its group (a new entry when the group completes); publishes like a prefill.
+        r, pos = self.ratio, state.positions
+        n_visible = max((n + 1) // r for n in state.cache.lengths_host)  # entries any row sees (host ints)
+        if self.mode == "full":
+            layer_cache = state.cache.layers[self.layer]
+            if r == 1:
+                latent = self.compressor(xt)  # [1, b, head_dim]
+            else:
+                kv, score = layer_cache.push_carry(*self.compressor.project(xt[0]), pos)  # [b, r, head_dim]
+                latent = self.compressor.pool(kv, score, xt.dtype).unsqueeze(0)
+            entry = pos // r
+            scratch = CSA2State()
+            self._publish_entries(scratch, latent, rope_cis(entry * r, self.rope_freqs))
+            layer_cache.push_entry(
+                scratch.read(self.layer, "compressed_kv")[0], scratch.read(self.layer, "index_k")[0], entry,
+                (pos + 1) % r == 0, max(n // r for n in state.cache.lengths_host) + 1,
+            )
+            state.publish(self.layer, "index_k", layer_cache.index_k[:, :n_visible])
+            state.publish(self.layer, "compressed_kv", layer_cache.compressed_kv[:, :n_visible])
+        if self.mode in ("full", "reindex"):
+            visible = ((pos + 1) // r).unsqueeze(1)  # [b, 1]
+            if n_visible == 0:  # nothing compressed yet in any row
+                state.publish(self.layer, "topk", pos.new_empty((pos.shape[0], 1, 0)))
+            else:  # queries [1, b, ·] (the batch as the sequence) against each row's own keys -> [b, 1, T]
+                score_fn = lambda q, w, k, ratio: indexer_scores_torch(  # noqa: E731
+                    q.transpose(0, 1), w.transpose(0, 1), k, ratio, visible)
+                self._publish_topk(state, xt, qr, cis, score_fn, visible)
         return state.read(self.kv_source, "compressed_kv")

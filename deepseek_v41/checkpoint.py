@@ -10,6 +10,13 @@ layer: released `layers.{i}.ffn.experts.{e}.w1.weight` is row e of model `layers
 
 Loading streams shard by shard and, inside a tensor, row block by row block, reading only the bytes it
 needs, so memory beyond the model stays at a few row blocks (one shard at most).
+
+Opening a checkpoint validates every safetensors header (integer offsets in range, sizes that match
+shape x dtype, no two tensors sharing bytes) and each tensor's dtype against the released format for its
+name. Every decoded row block is then checked finite (one extra pass over the block), so a NaN FP8 code,
+a NaN/Inf in a BF16/F32 tensor or an overflowing scale fails naming the tensor, the file and the element.
+Opt out for speed with `check_finite=False` (`ReleasedCheckpoint`, `load_checkpoint_into_model`) or the
+environment variable `DEEPSEEK_V41_CHECK_FINITE=0` (which also covers `from_pretrained` and training).
 """
 
 from __future__ import annotations
@@ -63,6 +70,13 @@ SAFETENSORS_DTYPES = {
 }
 QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "I8", "U8")
 SCALE_DTYPES = ("F8_E8M0", "F32")
+# Stored dtypes of unquantized tensors: the release's BF16 and F32, which exports keep (F16 appears in neither:
+# an F16 header on 2-byte data is a relabelled BF16 tensor whose bytes would decode to wrong values; other
+# relabels change the byte size and fail the header check). The fp32-contract tensors are F32 in the release;
+# a BF16 one (from a model cast whole to bf16) loads exactly into the fp32 parameter.
+PLAIN_DTYPES = ("BF16", "F32")
+# Environment opt-out of the per-block finite check (`check_finite`), for speed on trusted checkpoints.
+CHECK_FINITE_ENV = "DEEPSEEK_V41_CHECK_FINITE"
 # torch dtypes a floating-point export must not contain
 _QUANTIZED_TORCH_DTYPES = {
     torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.int8, torch.uint8
@@ -165,14 +179,18 @@ def read_safetensors_header(path: Path) -> dict[str, TensorRecord]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupted safetensors header (not a JSON object)")
     data_start = 8 + header_len
-    records = {}
+    records, spans = {}, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (TypeError, KeyError, ValueError) as exc:
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError) as exc:
             raise CheckpointError(f"{path}: corrupted header entry for tensor {name!r}: {info!r}") from exc
+        if not (_naturals(shape) and _naturals(offsets) and len(offsets) == 2):
+            raise CheckpointError(f"{path}: corrupted header entry for tensor {name!r}: shape and data_offsets "
+                                  f"must be lists of non-negative integers, got {info!r}; re-download this shard")
+        shape, (begin, end) = tuple(shape), offsets
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         itemsize = SAFETENSORS_DTYPES[dtype].itemsize
@@ -183,7 +201,26 @@ def read_safetensors_header(path: Path) -> dict[str, TensorRecord]:
             raise CheckpointError(f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has "
                                   f"{size} bytes (truncated shard; re-download it)")
         records[name] = TensorRecord(name, path, dtype, shape, data_start + begin, end - begin)
+        spans.append((begin, end, name))
+    spans.sort()
+    for (begin, end, name), (next_begin, next_end, next_name) in zip(spans, spans[1:]):
+        if next_begin < end:
+            raise CheckpointError(f"{path}: tensors {name!r} (bytes [{begin}, {end}]) and {next_name!r} (bytes "
+                                  f"[{next_begin}, {next_end}]) overlap (corrupted header); re-download this shard")
     return records
+
+
+def _naturals(value) -> bool:
+    # a JSON list of non-negative integers (not floats, strings or booleans)
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def finite_check_enabled() -> bool:
+    """Whether decoded values are checked finite by default (`DEEPSEEK_V41_CHECK_FINITE`: "1" or unset, or "0")."""
+    value = os.environ.get(CHECK_FINITE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{CHECK_FINITE_ENV}={value!r}: use 1 (check decoded values are finite) or 0 (skip)")
+    return value == "1"
 
 
 def _read_bytes(record: TensorRecord, start: int, nbytes: int) -> torch.Tensor:
@@ -229,13 +266,15 @@ class ReleasedCheckpoint:
     """A released (quantized) or floating-point-export checkpoint directory, validated when opened.
 
     `tensors` maps every non-scale tensor name to a `StoredTensor`; `decode(name, rows)` returns
-    floating-point values. Scales may live in another shard than their weight.
+    floating-point values, checked finite unless `check_finite` is False (default: the environment
+    variable DEEPSEEK_V41_CHECK_FINITE, on unless "0"). Scales may live in another shard than their weight.
     """
 
-    def __init__(self, path: str | os.PathLike, *, group: int = 32):
+    def __init__(self, path: str | os.PathLike, *, group: int = 32, check_finite: bool | None = None):
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a checkpoint directory")
+        self.check_finite = finite_check_enabled() if check_finite is None else check_finite
         self.config = self._read_config()
         self.quantization_config = (self.config or {}).get("quantization_config")
         block = (self.quantization_config or {}).get("weight_block_size", [32, 32])
@@ -320,6 +359,10 @@ class ReleasedCheckpoint:
             if record.dtype in QUANTIZED_DTYPES:
                 raise CheckpointError(f"tensor {name!r} in {where} is {record.dtype} but its scale "
                                       f"{scale_name(name)!r} is missing")
+            if record.dtype not in PLAIN_DTYPES and not name.startswith(SKIPPED_PREFIXES):
+                raise CheckpointError(f"tensor {name!r} in {where} is stored as {record.dtype} but unquantized "
+                                      f"tensors are {' or '.join(PLAIN_DTYPES)} (in the release and in exports): "
+                                      "wrong dtype (a relabelled or foreign tensor); re-download or re-export it")
             return "plain"
         if scale.dtype not in SCALE_DTYPES:
             raise CheckpointError(f"scale {scale.name!r} in {scale.file} has dtype {scale.dtype}; expected "
@@ -328,6 +371,10 @@ class ReleasedCheckpoint:
             raise CheckpointError(f"quantized tensor {name!r} in {where} must be 2-D, got {list(record.shape)}")
         rows, cols = record.shape
         if record.dtype in ("I8", "U8"):
+            if not _RELEASED_EXPERT.match(name):
+                raise CheckpointError(f"tensor {name!r} in {where} is packed FP4 ({record.dtype} with a scale) but "
+                                      "only routed experts (`...ffn.experts.{e}.w1/w2/w3.weight`) are FP4 in the "
+                                      "released format: a relabelled tensor")
             fmt, expected = "fp4", (rows, ceil_div(2 * cols, self.group))
         elif record.dtype == "F8_E4M3" and _ENGRAM_TABLE.match(name):
             fmt, expected = "fp8_rows", (rows, ceil_div(cols, self.group))
@@ -427,22 +474,47 @@ class ReleasedCheckpoint:
         rows = slice(start, max(start, stop))
         if t.fmt == "plain":
             value = self.read_raw(t.record, rows if t.shape else None)
+            self._check_finite(t, rows.start, value)
             return out.copy_(value) if out is not None else value.to(device=device, dtype=dtype)
         q = self.read_raw(t.record, rows).to(device)
         try:
             if t.fmt == "fp4":
                 scale = self.read_raw(t.scale, rows).to(device)
-                return decode_fp4_packed(q, scale, self.group, dtype=dtype, out=out)
-            if t.fmt == "fp8_rows":
+                value = decode_fp4_packed(q, scale, self.group, dtype=dtype, out=out)
+            elif t.fmt == "fp8_rows":
                 scale = self.read_raw(t.scale, rows).to(device)
-                return decode_fp8_rows(q, scale, self.group, dtype=dtype, out=out)
-            # fp8_block: read the scale block rows covering the rows, then one scale row per row of q
-            block_rows = slice(rows.start // self.block[0], ceil_div(rows.stop, self.block[0]))
-            scale = self.read_raw(t.scale, block_rows).to(device)
-            row_block = torch.arange(rows.start, rows.stop, device=device) // self.block[0] - block_rows.start
-            return decode_fp8_row_scaled(q, take_rows(scale, row_block), self.block[1], dtype, out)
+                value = decode_fp8_rows(q, scale, self.group, dtype=dtype, out=out)
+            else:  # fp8_block: read the scale block rows covering the rows, then one scale row per row of q
+                block_rows = slice(rows.start // self.block[0], ceil_div(rows.stop, self.block[0]))
+                scale = self.read_raw(t.scale, block_rows).to(device)
+                row_block = torch.arange(rows.start, rows.stop, device=device) // self.block[0] - block_rows.start
+                value = decode_fp8_row_scaled(q, take_rows(scale, row_block), self.block[1], dtype, out)
         except ValueError as exc:
             raise CheckpointError(f"cannot decode tensor {name!r} from {t.where}: {exc}") from exc
+        self._check_finite(t, rows.start, value, q)
+        return value
+
+    def _check_finite(self, t: StoredTensor, first_row: int, value: torch.Tensor, codes=None) -> None:
+        # One pass over the block (rows from `first_row`): a sum is non-finite iff an element is (NaN and inf
+        # propagate) or it overflows; it is ~20x cheaper than isfinite().all() on bf16 CPU tensors (measured in
+        # examples/benchmarks/finite_check.py). The element and its cause are looked up only then.
+        # codes: the stored FP8/FP4 bytes of a quantized block.
+        if not self.check_finite or not value.is_floating_point() or bool(torch.isfinite(value.sum())):
+            return
+        if bool(torch.isfinite(value).all()):  # the sum overflowed, every element is finite
+            return
+        local = tuple((~torch.isfinite(value)).nonzero()[0].tolist())
+        at = [first_row + local[0], *local[1:]] if local else []
+        if codes is None:
+            cause = "a stored non-finite value"
+        elif t.fmt != "fp4" and (codes.view(torch.uint8)[local] & 0x7F) == 0x7F:
+            cause = f"the NaN FP8 code {int(codes.view(torch.uint8)[local]):#04x}"
+        else:
+            cause = f"its code times its scale overflows {value.dtype}"
+        raise CheckpointError(
+            f"tensor {t.name!r} in {t.where} holds {value[local].item()} at {at} ({cause}): the checkpoint is "
+            f"corrupted, re-download or re-export it (to skip this check on a trusted checkpoint: "
+            f"check_finite=False or {CHECK_FINITE_ENV}=0)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -594,6 +666,7 @@ def load_checkpoint_into_model(
     *,
     strict: bool = True,
     dequantize_base_checkpoint: bool = True,
+    check_finite: bool | None = None,
 ) -> LoadReport:
     """Stream a released or floating-point checkpoint into `model`'s parameters and buffers in place.
 
@@ -601,8 +674,9 @@ def load_checkpoint_into_model(
     shard, in row blocks, straight into the target's dtype and device, so memory beyond the model stays
     at a few row blocks. The model may be built on the meta device and `to_empty`'d first. `mtp.*`
     (DSpark draft stages) are skipped; with strict=False missing/unexpected tensors are only reported.
+    `check_finite` (default: on, or `DEEPSEEK_V41_CHECK_FINITE`) checks every decoded block finite.
     """
-    checkpoint = ReleasedCheckpoint(path)
+    checkpoint = ReleasedCheckpoint(path, check_finite=check_finite)
     if checkpoint.is_quantized and not dequantize_base_checkpoint:
         raise NotImplementedError("training on the quantized FP8/FP4 weights is not supported: load with "
                                   "dequantize_base_checkpoint=True (weights are decoded exactly to floating point)")

@@ -6,8 +6,10 @@ released ``quantization_config`` is kept untouched on the outer config; ``config
 kernel-backend strings (see ``backends.py``).
 """
 
+import math
 import warnings
 
+import torch
 from transformers import PretrainedConfig
 
 from .backends import resolve_backend
@@ -160,6 +162,7 @@ class DeepseekV41TextConfig(PretrainedConfig):
         self.dspark_n_routed_experts = dspark_n_routed_experts
         self.dspark_num_experts_per_tok = dspark_num_experts_per_tok
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        check_config_values(self)
         self.validate_layout()
 
     def validate_layout(self):
@@ -245,6 +248,7 @@ class DeepseekV41VisionConfig(PretrainedConfig):
         self.max_wh_ratio = max_wh_ratio
         self.rms_norm_eps = rms_norm_eps
         super().__init__(**kwargs)
+        check_config_values(self)
 
 
 class DeepseekV41Config(PretrainedConfig):
@@ -279,6 +283,7 @@ class DeepseekV41Config(PretrainedConfig):
         self.dequantize_base_checkpoint = dequantize_base_checkpoint
         kwargs.setdefault("architectures", ["DeepseekV41ForCausalLM"])
         kwargs.setdefault("dtype", "bfloat16")
+        check_config_values(self, dtype=kwargs["dtype"])  # before transformers turns the dtype name into torch's
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -321,3 +326,109 @@ TEXT_ATTRIBUTES = (
 )
 for _name in TEXT_ATTRIBUTES:
     setattr(DeepseekV41Config, _name, _delegate_to_text_config(_name))
+
+
+# ---- value checks (every field, at construction, naming the field) ----
+
+# rope_scaling: the YaRN keys the model reads; rope_theta is added by transformers' rope_parameters alias, and
+# the official V4.1 code applies no YaRN attention scale, so mscale keys are accepted and unused.
+_YARN_KEYS = ("rope_type", "factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
+_YARN_IGNORED = ("rope_theta", "mscale", "mscale_all_dim")
+# Settings the model implements only one way: any other value would be silently ignored.
+_FIXED = {"hidden_act": "silu", "topk_method": "noaux_tc", "attention_bias": False, "num_key_value_heads": 1}
+
+
+def _need(ok: bool, field: str, value, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} = {value!r}: {rule}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field(source, name: str):
+    return source[name] if isinstance(source, dict) else getattr(source, name)
+
+
+def _ints(source, prefix: str, names: str, low: int) -> None:
+    # source: a config or a dict (rope_scaling)
+    for name in names.split():
+        value = _field(source, name)
+        _need(_is_int(value) and value >= low, prefix + name, value, f"must be an integer >= {low}")
+
+
+def _floats(source, prefix: str, names: str, low: float, inclusive: bool = False) -> None:
+    for name in names.split():
+        value = _field(source, name)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = number and math.isfinite(value) and (value >= low if inclusive else value > low)
+        _need(ok, prefix + name, value, f"must be a finite number {'>=' if inclusive else '>'} {low}")
+
+
+def _check_text(c, p="text_config.") -> None:
+    _ints(c, p, "vocab_size hidden_size num_hidden_layers num_attention_heads head_dim qk_rope_head_dim q_lora_rank "
+          "o_lora_rank o_groups moe_intermediate_size n_routed_experts num_experts_per_tok sliding_window "
+          "max_position_embeddings candidate_topk_blocks candidate_block_size index_n_heads index_head_dim index_topk "
+          "hc_mult hc_sinkhorn_iters engram_max_ngram_size engram_vocab_size engram_n_heads engram_head_dim", 1)
+    _ints(c, p, "n_shared_experts num_nextn_predict_layers engram_compressed_vocab_size", 0)
+    _floats(c, p, "rms_norm_eps hc_eps rope_theta compress_rope_theta routed_scaling_factor gate_temp swiglu_limit", 0)
+    _floats(c, p, "initializer_range gate_bias_update_factor", 0, inclusive=True)
+    for name, value in _FIXED.items():
+        _need(getattr(c, name) == value and type(getattr(c, name)) is type(value), p + name, getattr(c, name),
+              f"V4.1 implements only {value!r}")
+    _need(c.attention_dropout == 0, p + "attention_dropout", c.attention_dropout, "attention dropout is not implemented; use 0.0")
+    _need(c.scoring_func in ("sqrtsoftplus", "softmax", "sigmoid"), p + "scoring_func", c.scoring_func,
+          "use sqrtsoftplus (V4.1), softmax or sigmoid")
+    _need(isinstance(c.norm_topk_prob, bool), p + "norm_topk_prob", c.norm_topk_prob, "must be true or false")
+    _need(c.num_experts_per_tok <= c.n_routed_experts, p + "num_experts_per_tok", c.num_experts_per_tok,
+          f"cannot exceed n_routed_experts = {c.n_routed_experts}")
+    _need(c.qk_rope_head_dim % 2 == 0 and c.qk_rope_head_dim <= c.head_dim, p + "qk_rope_head_dim",
+          c.qk_rope_head_dim, f"must be even and at most head_dim = {c.head_dim}")
+    for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids",
+                 "engram_num_embeddings", "dspark_target_layer_ids"):
+        value = getattr(c, name)
+        _need(isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value), p + name, value,
+              "must be a list of non-negative integers")
+    _need(len(c.engram_num_embeddings) == len(c.engram_layer_ids), p + "engram_num_embeddings",
+          c.engram_num_embeddings, f"needs one table size per engram_layer_ids entry ({c.engram_layer_ids})")
+    _need(_is_int(c.candidate_source_layer_id) and c.candidate_source_layer_id >= -1, p + "candidate_source_layer_id",
+          c.candidate_source_layer_id, "must be a layer index or -1 (none)")
+    yarn = c.rope_scaling
+    _need(isinstance(yarn, dict) and all(k in yarn for k in _YARN_KEYS), p + "rope_scaling", yarn,
+          f"must be a dict with the YaRN keys {list(_YARN_KEYS)}")
+    unknown = sorted(set(yarn) - set(_YARN_KEYS) - set(_YARN_IGNORED))
+    _need(not unknown, p + "rope_scaling", yarn, f"unknown keys {unknown}; the keys are {list(_YARN_KEYS)}")
+    _need(yarn["rope_type"] == "yarn", p + "rope_scaling.rope_type", yarn["rope_type"], "V4.1 uses 'yarn'")
+    _ints(yarn, p + "rope_scaling.", "original_max_position_embeddings", 1)
+    _floats(yarn, p + "rope_scaling.", "factor beta_fast beta_slow", 0)
+
+
+def _check_vision(c, p="vision_config.") -> None:
+    _ints(c, p, "hidden_size num_attention_heads intermediate_size patch_size downsample_ratio", 1)
+    _ints(c, p, "num_hidden_layers min_pixels", 0)
+    _ints(c, p, "max_image_tokens", 4)  # the smallest image span: START, one image token, NEWLINE, END
+    _floats(c, p, "rope_theta rms_norm_eps", 0)
+    _need(c.hidden_size % c.num_attention_heads == 0, p + "hidden_size", c.hidden_size,
+          f"must divide into num_attention_heads = {c.num_attention_heads}")
+    if c.max_wh_ratio is not None:
+        _floats(c, p, "max_wh_ratio", 0)
+
+
+def check_config_values(config, dtype=None) -> None:
+    """Range-check a text, vision or outer config's fields; ``ValueError`` names the field and the rule.
+
+    The outer config also checks ``dtype`` (a floating torch dtype or its name) and ids against the vocabulary."""
+    if isinstance(config, DeepseekV41TextConfig):
+        return _check_text(config)
+    if isinstance(config, DeepseekV41VisionConfig):
+        return _check_vision(config)
+    names = ("float32", "bfloat16", "float16", "float64")
+    _need(dtype in (None, "auto") or dtype in names or (isinstance(dtype, torch.dtype) and dtype.is_floating_point),
+          "dtype", dtype, f"use one of {list(names)} (or 'auto')")
+    _need(isinstance(config.dequantize_base_checkpoint, bool), "dequantize_base_checkpoint",
+          config.dequantize_base_checkpoint, "must be true or false")
+    vocab = config.text_config.vocab_size
+    if config.vision_config.num_hidden_layers:  # without a vision tower no position carries the image id
+        _need(_is_int(config.image_token_id) and 0 <= config.image_token_id < vocab, "image_token_id",
+              config.image_token_id, f"must be a token id in [0, text_config.vocab_size = {vocab})")

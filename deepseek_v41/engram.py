@@ -97,6 +97,17 @@ def engram_gate_tile_kernels(x, kv, q_weight, k_weight, eps: float, image_mask):
     return fused_gate(x.contiguous(), kv.contiguous(), q_weight, k_weight, GATE_CLAMP, eps, mask)
 
 
+def read_tokenizer_file(path):
+    """``tokenizers.Tokenizer`` of a tokenizer.json; a truncated or corrupted file is named in the error."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception for unreadable JSON
+        raise ValueError(f"{path} is not a readable tokenizer.json (truncated or corrupted? {error}); "
+                         "re-download or re-save it") from error
+
+
 def resolve_engram_tokenizer(config, tokenizer=None):
     """The fast tokenizer Engram's compression map is built from: the one given, else the checkpoint's
     (``config._name_or_path`` at its resolved revision ``config._commit_hash``)."""
@@ -113,9 +124,7 @@ def resolve_engram_tokenizer(config, tokenizer=None):
         raise ValueError(f"Engram layers {layers} need the checkpoint's fast tokenizer to build the hash map; {how}")
     local = Path(source) / "tokenizer.json"
     if local.is_file():
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(local))
+        return read_tokenizer_file(local)
     try:
         from transformers import AutoTokenizer
 

@@ -3,7 +3,10 @@
 Per image (architecture.md §10 "Preprocessing"; reproduces the official ``inference/image_processor.py``
 bit for bit on the golden fixture):
 
-1. ``convert("RGB")`` (PIL semantics: an alpha channel is dropped, not composited).
+1. ``convert("RGB")`` (PIL semantics: an alpha channel is dropped, not composited; palette, LA and CMYK
+   images convert by PIL's rules). 16-bit grayscale (``I;16``) is rounded to 8 bits first (PIL would clip it);
+   32-bit integer (``I``) and float (``F``) images have no known value range and are refused. An image may be
+   given as a path or as the encoded file's bytes.
 2. Plan a box ``(box_h, box_w)``, multiples of ``patch_size`` (``plan_image_box``): upscale tiny images to
    ``min_pixels``, round each side up to whole patches, and if the image would cost more than
    ``max_image_tokens`` LLM positions shrink it with the closed form.
@@ -14,12 +17,15 @@ bit for bit on the golden fixture):
 Outputs ``pixel_values`` [all patches, 3, p, p] (BF16) and ``image_grid_hws`` [n_images, 2] (ViT grid h, w).
 """
 
+import io
 import math
+import os
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from transformers.image_processing_backends import PilBackend
 from transformers.image_processing_utils import BatchFeature
 from transformers.image_utils import PILImageResampling
@@ -40,6 +46,53 @@ class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
     max_image_tokens: int
     min_pixels: int
     max_wh_ratio: float | None
+
+
+_SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+
+
+def open_image_source(image):
+    """An image given as a local path or as the encoded file's bytes -> a loaded PIL image; other inputs unchanged.
+
+    URLs and base64 strings are left to transformers' ``fetch_images``; a path-like string that does not exist,
+    or bytes / a file PIL cannot decode, raise an error naming the source."""
+    if isinstance(image, (list, tuple)):
+        return [open_image_source(item) for item in image]
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return _decode(io.BytesIO(bytes(image)), f"the {len(image)} bytes given as an image")
+    if isinstance(image, (str, os.PathLike)):
+        path = Path(os.fspath(image)).expanduser()
+        if path.is_file():
+            return _decode(path, f"image file {path}")
+        text = os.fspath(image)
+        if isinstance(image, os.PathLike) or text.lower().endswith(_IMAGE_SUFFIXES) or text.startswith(("/", "./", "~")):
+            raise FileNotFoundError(f"image file {path} does not exist")
+    return image
+
+
+def _decode(source, what: str) -> Image.Image:
+    try:
+        image = Image.open(source)
+        image.load()  # decode now, so a truncated file fails here, named
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise ValueError(f"{what}: not an image PIL can decode ({error})") from error
+    return image
+
+
+def rgb_image(image: Image.Image) -> Image.Image:
+    """A PIL image of any mode -> RGB without saturating: 16-bit grayscale rounds to 8 bits (PIL's own
+    conversion clips it at 255); I and F images, whose value range is unknown, are refused."""
+    if image.mode in _SIXTEEN_BIT_MODES:
+        wide = np.asarray(image).astype(np.uint32)  # [H, W] 0..65535
+        image = Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
+    elif image.mode in ("I", "F"):
+        kind = "32-bit integer" if image.mode == "I" else "floating-point"
+        raise ValueError(
+            f"a {kind} ({image.mode}) image has no known value range; convert it to 8-bit yourself, e.g. "
+            "Image.fromarray(np.clip(x * 255, 0, 255).round().astype(np.uint8)) for values in [0, 1]"
+        )
+    return image.convert("RGB")
 
 
 def _shrink_box(height, width, patch_size, downsample_ratio, max_image_tokens):
@@ -109,10 +162,13 @@ class DeepseekV41ImageProcessor(PilBackend):
         """Image processor matching a ``DeepseekV41VisionConfig``."""
         return cls(**{name: getattr(vision_config, name) for name in PLAN_FIELDS}, **kwargs)
 
+    def _prepare_images_structure(self, images, expected_ndims=3):
+        return super()._prepare_images_structure(open_image_source(images), expected_ndims=expected_ndims)
+
     def convert_to_rgb(self, image, input_data_format=None):
-        # PIL's own conversion, as the official loader: RGBA drops alpha, L/P expand. Arrays: base class.
+        # PIL's own conversion, as the official loader (RGBA drops alpha, L/P expand), see rgb_image. Arrays: base class.
         if isinstance(image, Image.Image):
-            return np.array(image.convert("RGB"))
+            return np.array(rgb_image(image))
         return super().convert_to_rgb(image, input_data_format=input_data_format)
 
     def vit_grid(self, height, width, **overrides):
@@ -184,4 +240,4 @@ class DeepseekV41ImageProcessor(PilBackend):
         return BatchFeature(data=data)
 
 
-__all__ = ["DeepseekV41ImageProcessor", "plan_image_box"]
+__all__ = ["DeepseekV41ImageProcessor", "open_image_source", "plan_image_box", "rgb_image"]

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .attention import Attention, CSA2State
 from .backends import check_available
+from .cache_deepseek_v41 import DeepseekV41Cache
 from .configuration_deepseek_v41 import DeepseekV41Config
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
 from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
@@ -247,6 +248,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             raise ValueError(f"checkpoint {path} does not match {cls.__name__}: missing/unexpected {leftover[:10]}")
         if device_map is not None:  # transformers' record of the placement (Trainer reads it)
             model.hf_device_map = {name: str(dev) for name, dev in placement.items()}
+        if (path / "generation_config.json").is_file():  # else the defaults built from the config's bos / eos / pad
+            model.generation_config = GenerationConfig.from_pretrained(path)
         if (adapter_kwargs or {}).get("_adapter_model_path"):  # the Auto classes found a PEFT adapter folder
             adapter_kwargs = dict(adapter_kwargs)
             model.load_adapter(adapter_kwargs.pop("_adapter_model_path"), **adapter_kwargs)
@@ -334,18 +337,33 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def forward(
         self, input_ids=None, attention_mask=None, position_ids=None, pixel_values=None, image_grid_hws=None,
         vision_token_types=None, engram_hash_ids=None, use_cache=None, past_key_values=None, inputs_embeds=None,
-        output_hidden_states=None, output_attentions=None, return_dict=None, **kwargs,
-    ) -> BaseModelOutput:
-        # input_ids [b, s] (right padded) -> last_hidden_state [b, s, dim]; with output_hidden_states also
-        # hidden_states: the embeddings, then after each block but the last its streams collapsed with the pre-mix
-        # the next block's attention uses (its input before the norm), then last_hidden_state: n_layers + 1 x [b, s, dim]
+        cache=None, output_hidden_states=None, output_attentions=None, return_dict=None, **kwargs,
+    ) -> BaseModelOutputWithPast:
+        # input_ids [b, s] (right or left padded) -> last_hidden_state [b, s, dim]; use_cache=True (or a cache
+        # given as past_key_values= / cache=) returns the DeepseekV41Cache that decodes the next tokens.  With
+        # output_hidden_states also hidden_states: the embeddings, then after each block but the last its streams
+        # collapsed with the pre-mix the next block's attention uses (its input before the norm), then
+        # last_hidden_state: n_layers + 1 x [b, s, dim]
         if output_attentions:
             raise NotImplementedError(
                 "output_attentions=True: CSA2 sparse attention never forms a dense attention matrix (each query "
                 "attends to its sliding window and top-k compressed entries); call with output_attentions=False"
             )
-        validate_inputs(self, input_ids, attention_mask, position_ids, use_cache, past_key_values, inputs_embeds, kwargs)
+        cache = past_key_values if cache is None else cache  # transformers >= 5.2x calls it `cache`
+        validate_inputs(self, input_ids, attention_mask, position_ids, use_cache, cache, inputs_embeds, kwargs)
         input_ids = input_ids.to(self.embed.weight.device)
+        if cache is not None and cache.get_seq_length() > 0:
+            if pixel_values is not None or (vision_token_types is not None and (vision_token_types >= 0).any()):
+                raise ValueError("images go in the prompt (the first forward of a cache); decode steps are text")
+            return with_cache(BaseModelOutputWithPast, cache, last_hidden_state=self.decode(input_ids, cache))
+        if use_cache and cache is None:
+            cache = DeepseekV41Cache(self.config)
+        lengths, shift = real_lengths(attention_mask, input_ids)
+        if shift is not None:  # left padding: rows run left-aligned (CSA2 groups, Engram n-grams start at token 0)
+            if engram_hash_ids is not None:
+                raise ValueError("engram_hash_ids cannot be given with left padding: they would hash the padding")
+            input_ids = roll_rows(input_ids, shift)
+            vision_token_types = None if vision_token_types is None else roll_rows(vision_token_types, shift)
         h = self.embed(input_ids)  # [b, s, dim]
         image_mask = None
         if vision_token_types is not None:
@@ -361,7 +379,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         x = h.unsqueeze(2).expand(b, s, self.hc, h.shape[-1]).contiguous()  # [b, s, hc, dim]
         pre = torch.zeros(b, s, self.hc, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1.0  # block 0 collapses with a one-hot pre-mix on stream 0
-        state = CSA2State()
+        state = CSA2State(cache, lengths if cache is not None else None)
         hidden_states = [h] if output_hidden_states else None
         for layer in self.layers:
             hash_ids = engram_hash_ids_for(engram_hash_ids, layer, self.config.text_config)
@@ -376,10 +394,38 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 hidden_states.append(self.hc_collapse(x, pre))
         device = self.norm.weight.device
         hidden = self.norm(self.hc_collapse(x.to(device), pre.to(device)))
-        output = BaseModelOutput(
-            last_hidden_state=hidden, hidden_states=None if hidden_states is None else (*hidden_states, hidden)
-        )
+        if cache is not None:
+            cache.finish_prefill(input_ids, image_mask, lengths, s)
+        if hidden_states is not None:
+            hidden_states = (*hidden_states, hidden)
+        if shift is not None:  # back to the input's columns
+            hidden = roll_rows(hidden, -shift)
+            hidden_states = None if hidden_states is None else tuple(roll_rows(t, -shift) for t in hidden_states)
+        output = with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden, hidden_states=hidden_states)
         return output.to_tuple() if return_dict is False else output
+
+    def decode(self, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
+        """input_ids [b, n] text tokens after the cached ones -> hidden [b, n, dim], one column at a time."""
+        return torch.cat([self._decode_step(input_ids[:, j : j + 1], cache) for j in range(input_ids.shape[1])], 1)
+
+    def _decode_step(self, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
+        # input_ids [b, 1]: row i's token at position cache.lengths[i] -> hidden [b, 1, dim]
+        hashes = {}
+        if cache.engram_ids is not None:  # each Engram layer's n-grams over the cached look-back context
+            context, dead = cache.engram_context(input_ids)
+            hashes = {
+                layer.layer: layer.engram.hash(context, dead)[:, -1:] for layer in self.layers if layer.engram is not None
+            }
+        h = self.embed(input_ids)
+        b = h.shape[0]
+        x = h.unsqueeze(2).expand(b, 1, self.hc, h.shape[-1]).contiguous()
+        pre = torch.zeros(b, 1, self.hc, dtype=torch.float32, device=h.device)
+        pre[..., 0] = 1.0
+        state = CSA2State(cache, positions=cache.lengths)
+        for layer in self.layers:
+            x, pre = layer(x, pre, state, input_ids=input_ids, engram_hash_ids=hashes.get(layer.layer))
+        cache.advance(input_ids)
+        return self.norm(self.hc_collapse(x, pre))
 
     def embed_images(self, h, input_ids, pixel_values, image_grid_hws, vision_token_types):
         if not self.has_vision:
@@ -401,32 +447,27 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
 
 @dataclass
-class DeepseekV41CausalLMOutput(CausalLMOutput):
-    """``CausalLMOutput`` plus the head's input: the causal LM is its own backbone (``model.base_model`` is the
-    model), so tools that run the backbone and apply the head themselves (TRL's chunked LM head) read it here."""
+class DeepseekV41CausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus the head's input: the causal LM is its own backbone (``model.base_model`` is
+    the model), so tools that run the backbone and apply the head themselves (TRL's chunked LM head) read it here."""
 
     last_hidden_state: torch.Tensor | None = None
 
 
-class DeepseekV41ForCausalLM(DeepseekV41Model):
-    """Backbone + fp32 head: logits are fp32 and never rounded to bf16."""
+class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
+    """Backbone + fp32 head: logits are fp32 and never rounded to bf16.  ``generate()`` decodes with a
+    ``DeepseekV41Cache`` (greedy, sampling, beam search; left-padded batches)."""
 
     _with_head = True
 
-    def __init__(self, config: DeepseekV41Config, tokenizer=None):
-        super().__init__(config, tokenizer=tokenizer)
-        # what TRL and the Trainer read (GenerationMixin, where present, has already set one)
-        if getattr(self, "generation_config", None) is None:
-            from transformers import GenerationConfig
-
-            self.generation_config = GenerationConfig.from_model_config(config)
-
     def forward(
-        self, input_ids=None, labels=None, attention_mask=None, num_items_in_batch=None, return_dict=None, **kwargs
+        self, input_ids=None, labels=None, attention_mask=None, logits_to_keep=0, num_items_in_batch=None,
+        return_dict=None, **kwargs,
     ) -> DeepseekV41CausalLMOutput:
-        # -> logits fp32 [b, s, vocab]; loss = shifted causal CE over labels != -100: the mean over the counted
-        # tokens, or with num_items_in_batch (the Trainer's count over all gradient-accumulation micro-batches)
-        # the sum divided by it, so that the accumulated gradient is the mean over the whole batch
+        # -> logits fp32 [b, s, vocab] (the last logits_to_keep positions when > 0 and no labels); loss = shifted
+        # causal CE over labels != -100: the mean over the counted tokens, or with num_items_in_batch (the
+        # Trainer's count over all gradient-accumulation micro-batches) the sum divided by it, so that the
+        # accumulated gradient is the mean over the whole batch
         if labels is not None and (input_ids is None or labels.shape != input_ids.shape):
             raise ValueError(
                 f"labels have shape {tuple(labels.shape)} but input_ids have "
@@ -438,7 +479,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
         hidden = backbone.last_hidden_state.to(self.head.weight.device)
         loss = None
         if labels is None:
-            logits = self.head_logits(hidden)
+            logits = self.head_logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         else:
             mask = None if attention_mask is None else attention_mask.to(hidden.device)
             targets = causal_lm_targets(labels.to(hidden.device), mask)
@@ -452,8 +493,9 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
                 loss = total / (targets != IGNORE_INDEX).sum().clamp(min=1)
             else:
                 loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
-        output = DeepseekV41CausalLMOutput(  # logits fp32 [b, s, vocab]
-            loss=loss, logits=logits, hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state
+        output = with_cache(  # logits fp32 [b, s, vocab]
+            DeepseekV41CausalLMOutput, returned_cache(backbone), loss=loss, logits=logits,
+            hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state,
         )
         return output.to_tuple() if return_dict is False else output
 
@@ -463,6 +505,32 @@ class DeepseekV41ForCausalLM(DeepseekV41Model):
         if is_plain_linear(self.head):
             return self.head_matmul(hidden, self.head.weight)
         return self.head(hidden.float()).float()
+
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate must not build a DynamicCache: the first forward returns a DeepseekV41Cache
+
+    def prepare_inputs_for_generation(
+        self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None, cache=None, use_cache=None,
+        pixel_values=None, image_grid_hws=None, vision_token_types=None, position_ids=None, **kwargs,
+    ):
+        """The columns the cache has not seen (all of them at the first step, with the prompt's images)."""
+        if inputs_embeds is not None:
+            raise NotImplementedError("inputs_embeds is not supported: Engram hashing needs input_ids")
+        cache = past_key_values if cache is None else cache
+        seen = 0 if cache is None else cache.get_seq_length()
+        inputs = {"input_ids": input_ids[:, seen:], "attention_mask": attention_mask, "use_cache": use_cache}
+        if cache is not None:
+            inputs[cache_field(CausalLMOutputWithPast)] = cache
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids[..., seen : input_ids.shape[1]]
+        if seen == 0:  # images belong to the prompt
+            inputs.update(pixel_values=pixel_values, image_grid_hws=image_grid_hws, vision_token_types=vision_token_types)
+        for key in ("next_sequence_length", "is_first_iteration", "cache_position", "tokenizer"):
+            kwargs.pop(key, None)  # generate's own bookkeeping: the cache tells which columns are new
+        inputs.update(kwargs)
+        return {key: value for key, value in inputs.items() if value is not None}
 
 
 def stack_released_experts(module, state_dict, prefix, *args) -> None:
@@ -499,13 +567,15 @@ def check_targets(labels: torch.Tensor, vocab: int) -> None:
         )
 
 
-def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, past_key_values, inputs_embeds, extra):
+def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, cache, inputs_embeds, extra):
     """Reject what this model cannot compute correctly, with the fix in the message."""
-    if use_cache or past_key_values is not None:
-        raise NotImplementedError(
-            "incremental decoding caches are not implemented (CSA2 state is rebuilt per forward); "
-            "call with use_cache=False and the full sequence"
+    if cache is not None and not isinstance(cache, DeepseekV41Cache):
+        raise TypeError(
+            f"past_key_values must be the DeepseekV41Cache a use_cache=True forward returns, got {type(cache).__name__}"
         )
+    if extra.get("return_dict", True) is not True:
+        raise NotImplementedError("return_dict=False is not supported: outputs are ModelOutput objects")
+    extra.pop("return_dict", None)
     if inputs_embeds is not None:
         raise NotImplementedError("inputs_embeds is not supported: Engram hashing needs input_ids")
     for key in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx"):
@@ -526,33 +596,110 @@ def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, p
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"input_ids must be an integer tensor (int64), got {input_ids.dtype}")
     b, s = input_ids.shape
-    if s > model.max_positions:
-        raise ValueError(f"sequence length {s} exceeds max_position_embeddings={model.max_positions}")
+    past = 0 if cache is None else cache.get_seq_length()
+    if past and cache.batch_size != b:
+        raise ValueError(f"the cache holds {cache.batch_size} rows but input_ids has {b}")
+    if past + s > model.max_positions:
+        raise ValueError(f"sequence length {past + s} exceeds max_position_embeddings={model.max_positions}")
     if s > model.training_max_positions and torch.is_grad_enabled():
         raise NotImplementedError(
             f"training on sequences of {s} tokens (> {model.training_max_positions}) is out of scope "
             "(million-token training needs context parallelism); run inference under torch.no_grad()"
         )
+    mask = None
     if attention_mask is not None:
-        if attention_mask.shape != (b, s):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, s)}")
-        mask = attention_mask.bool()
-        if (mask[:, 1:] & ~mask[:, :-1]).any():
+        if attention_mask.shape != (b, past + s):
             raise ValueError(
-                "attention_mask has padding before real tokens (left padding or holes); CSA2 supports only "
-                "right padding: put padding at the end of each row"
+                f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, past + s)}"
+                + (f" (the {past} cached columns and the {s} new ones)" if past else "")
             )
+        mask = attention_mask.bool()
+        if past and not mask[:, past:].all():
+            raise ValueError("the new columns of a decode step must all be real tokens (attention_mask 1)")
+        runs = mask & ~torch.nn.functional.pad(mask, (1, 0))[:, :-1]  # where a run of real tokens starts
+        if (runs.sum(1) > 1).any():
+            raise ValueError(
+                "attention_mask has holes (padding between real tokens); pad each row only at its start (left "
+                "padding) or its end (right padding)"
+            )
+        if (use_cache or cache is not None) and not mask.any(1).all():
+            raise ValueError("a row of attention_mask has no real token: every generated row needs a prompt")
+        mask = mask[:, past:]
     if position_ids is not None:
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         if position_ids.shape[-1] != s:
             raise ValueError(f"position_ids have length {position_ids.shape[-1]}, expected {s}")
-        expected = torch.arange(s, device=position_ids.device)
-        if not (position_ids == expected).all():
+        if past:
+            expected = cache.lengths.unsqueeze(1) + torch.arange(s, device=position_ids.device)
+        elif mask is not None:
+            expected = mask.long().cumsum(1) - 1
+        else:
+            expected = torch.arange(s, device=position_ids.device)
+        if not ((position_ids == expected) | (False if mask is None else ~mask)).all():
             raise ValueError(
-                "position_ids must be zero-based and contiguous (0, 1, ..., seq-1) in every row; packed "
-                "sequences with restarting positions and offsets are not supported"
+                "position_ids must be zero-based and contiguous over each row's real tokens (0, 1, ..., the padding "
+                "excluded, as attention_mask implies); packed sequences with restarting positions are not supported"
             )
+    check_input_values(input_ids, attention_mask, model.config.text_config.vocab_size)
+
+
+def check_input_values(input_ids: torch.Tensor, attention_mask, vocab: int) -> None:
+    """Raise ``ValueError`` unless input_ids [b, s] is non-empty with every id in [0, vocab) and the mask is 0/1.
+
+    Both value checks share one host sync (like ``check_targets``): an out-of-range id would otherwise be an
+    IndexError on CPU or a device-side assert on CUDA, and a mask value such as 2 or 0.5 silently a 1."""
+    b, s = input_ids.shape
+    if b == 0 or s == 0:
+        raise ValueError(f"input_ids have shape {(b, s)}: an empty batch or a length-0 sequence; give at least "
+                         "one row with at least one token")
+    flags = [((input_ids < 0) | (input_ids >= vocab)).any()]
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        if attention_mask.is_floating_point() or attention_mask.is_complex():
+            raise ValueError(f"attention_mask must hold 0/1 as bool or integers, got {attention_mask.dtype}; "
+                             "pass attention_mask.long() of a 0/1 mask")
+        flags.append(((attention_mask != 0) & (attention_mask != 1)).any())
+    bad_ids, *bad_mask = torch.stack(flags).tolist()
+    if bad_ids:
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+        raise ValueError(f"input_ids must be token ids in [0, {vocab}) (text_config.vocab_size); got "
+                         f"{bad[:5].tolist()}: pad with the pad token id, not a negative or out-of-vocabulary id")
+    if bad_mask and bad_mask[0]:
+        bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token); got {bad[:5].tolist()}")
+
+
+def real_lengths(attention_mask, input_ids):
+    """(real tokens per row int64 [b], left-padding width per row [b] or None when no row is left padded)."""
+    b, s = input_ids.shape
+    if attention_mask is None:
+        return torch.full((b,), s, dtype=torch.long, device=input_ids.device), None
+    mask = attention_mask.bool()
+    lengths = mask.sum(1)
+    shift = mask.long().argmax(1).masked_fill(lengths == 0, 0)  # index of each row's first real token
+    return lengths, (shift if bool(shift.any()) else None)
+
+
+def roll_rows(t: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    # t [b, s, ...] -> row i rolled left by shift[i] columns (negative: right), wrapping around
+    s = t.shape[1]
+    idx = (torch.arange(s, device=t.device) + shift.unsqueeze(1)) % s  # [b, s]
+    return t.gather(1, idx.view(*idx.shape, *[1] * (t.dim() - 2)).expand_as(t))
+
+
+def cache_field(output_cls) -> str:
+    # what this transformers version calls the cache: `cache` (>= 5.2x) or `past_key_values`
+    return "cache" if "cache" in output_cls.__dataclass_fields__ else "past_key_values"
+
+
+def returned_cache(output):
+    """The cache a forward returned (None without one), under either name."""
+    return getattr(output, cache_field(type(output)), None)
+
+
+def with_cache(output_cls, cache, **fields):
+    """``output_cls(**fields)`` with the cache under this transformers version's name."""
+    return output_cls(**fields, **{cache_field(output_cls): cache})
 
 
 def engram_hash_ids_for(engram_hash_ids, layer: DeepseekV41Block, text_config):

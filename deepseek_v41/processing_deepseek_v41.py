@@ -18,6 +18,7 @@ should be rendered with the official ``encoding_dsv4.py`` encoder into a string 
 processor as ``text`` (with ``IMAGE_PLACEHOLDER`` where images go).
 """
 
+import json
 import os
 from pathlib import Path
 from typing import ClassVar
@@ -32,10 +33,13 @@ from .image_processing_deepseek_v41 import (
     PLAN_FIELDS,
     DeepseekV41ImageProcessor,
     DeepseekV41ImageProcessorKwargs,
+    open_image_source,
 )
 from .vision import TEXT, image_span_length, image_span_token_types, llm_grid
 
 IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+# What save_pretrained writes and from_pretrained needs (chat_template.jinja is optional: CHAT_TEMPLATE is the default).
+SAVED_FILES = ("processor_config.json", "tokenizer.json", "tokenizer_config.json")
 
 # DeepSeek-V4 chat format: BOS{system}<｜User｜>{user}<｜Assistant｜></think>{assistant}<｜end▁of▁sentence｜>...
 # Chat mode closes thinking right after <｜Assistant｜>. Thinking mode opens <think> after the LAST user turn
@@ -123,7 +127,7 @@ class DeepseekV41Processor(ProcessorMixin):
                 "processor.image_processor"
             )
         texts = [text] if isinstance(text, str) else list(text)
-        images = [] if images is None else make_flat_list_of_images(images)
+        images = [] if images is None else make_flat_list_of_images(open_image_source(images))
         n_placeholders = [t.count(self.image_token) for t in texts]
         if sum(n_placeholders) != len(images):
             raise ValueError(
@@ -226,9 +230,28 @@ class DeepseekV41Processor(ProcessorMixin):
         """A saved processor folder as usual; a released checkpoint snapshot (``config.json`` + ``tokenizer.json``,
         no ``processor_config.json``) gets a processor built from its vision config and tokenizer."""
         folder = Path(os.fspath(pretrained_model_name_or_path))
-        if folder.is_dir() and not (folder / "processor_config.json").is_file() and (folder / "config.json").is_file():
-            return cls.from_checkpoint(folder)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if not folder.is_dir():  # a hub name
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        released = not (folder / "processor_config.json").is_file() and (folder / "config.json").is_file()
+        needed = ("config.json", "tokenizer.json") if released else SAVED_FILES
+        missing = [name for name in needed if not (folder / name).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{folder} lacks {', '.join(missing)}: a saved processor folder holds {', '.join(SAVED_FILES)} "
+                "(processor.save_pretrained writes them), a released checkpoint config.json and tokenizer.json"
+            )
+        try:
+            if released:
+                return cls.from_checkpoint(folder)
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except Exception as error:  # tokenizers raises a bare Exception for a broken tokenizer.json
+            for name in needed:  # name the unreadable file instead of the library's generic message
+                try:
+                    json.loads((folder / name).read_text(encoding="utf-8"))
+                except (ValueError, UnicodeDecodeError) as bad:
+                    raise ValueError(f"{folder / name} is not valid JSON (truncated or corrupted? {bad}); "
+                                     "re-save the processor or re-download the file") from error
+            raise
 
     @classmethod
     def from_checkpoint(cls, folder):

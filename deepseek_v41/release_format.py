@@ -27,6 +27,10 @@ _CPU_CHUNK_ELEMENTS = 1 << 18
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """UE8M0 scale bytes -> fp32 multipliers 2^(e-127); F32 scales (older releases) pass through."""
     if scale.dtype == torch.float32:
+        valid = (scale >= 0) & (scale < torch.inf)  # NaN fails both comparisons
+        if not bool(valid.all()):
+            raise ValueError(f"F32 scale holds {scale[~valid][:3].tolist()}: scales are non-negative and finite; "
+                             "the checkpoint is corrupted")
         return scale
     if scale.dtype != torch.float8_e8m0fnu:
         raise TypeError(f"scale dtype {scale.dtype} is neither float8_e8m0fnu (UE8M0) nor float32")

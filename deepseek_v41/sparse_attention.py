@@ -34,12 +34,14 @@ def sparse_attention_torch(
 
 
 def indexer_scores_torch(
-    q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int
+    q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int, visible=None
 ) -> torch.Tensor:
-    # q [b, s, H, D] (index queries), weights [b, s, H], index_k [b, T, D] -> scores [b, s, T] fp32
+    # q [b, s, H, D] (index queries), weights [b, s, H], index_k [b, T, D] -> scores [b, s, T] fp32.
+    # visible [b or 1, s]: entries each query sees (default, a prefill: query i sees (i + 1) // ratio)
     s, T = q.shape[1], index_k.shape[1]
     dots = torch.einsum("bshd,btd->bsht", q.float(), index_k.float()).relu()
     scores = torch.einsum("bsht,bsh->bst", dots, weights.float())
-    visible = (torch.arange(s, device=q.device) + 1) // ratio  # [s]: entries t < visible[i] are causal
-    invisible = torch.arange(T, device=q.device).view(1, T) >= visible.view(s, 1)
-    return scores.masked_fill(invisible.unsqueeze(0), float("-inf"))
+    if visible is None:
+        visible = ((torch.arange(s, device=q.device) + 1) // ratio).unsqueeze(0)
+    invisible = torch.arange(T, device=q.device) >= visible.unsqueeze(-1)  # [b or 1, s, T]
+    return scores.masked_fill(invisible, float("-inf"))

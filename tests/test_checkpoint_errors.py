@@ -285,3 +285,158 @@ def test_released_name_mapping_rejects_scales():
     assert released_to_model_name("layers.3.ffn.experts.17.w2.weight") == ("layers.3.ffn.experts.w2", 17)
     with pytest.raises(ValueError, match="no model counterpart"):
         released_to_model_name("layers.3.attn.wq_a.scale")
+
+
+# ---- corrupt values and headers (issue 24): found before a wrong logit, naming the tensor and the file ----
+
+
+def with_code(tensors: dict, name: str, index: tuple, byte: int) -> dict:
+    # set one stored byte (an FP8 code or a UE8M0 scale) of a quantized tensor
+    raw = tensors[name].view(torch.uint8).clone()
+    raw[index] = byte
+    tensors[name] = raw.view(tensors[name].dtype)
+    return tensors
+
+
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_nan_fp8_code(tmp_path, byte):
+    tensors = with_code(released_tensors(), "layers.0.attn.wq_a.weight", (40, 7), byte)
+    checkpoint = write_checkpoint(tmp_path / "released", tensors)
+    assert_rejected(checkpoint, tmp_path, "'layers.0.attn.wq_a.weight'", f"NaN FP8 code {byte:#04x}", "[40, 7]",
+                    shard_of(checkpoint, "layers.0.attn.wq_a.weight").name)
+
+
+def test_nan_fp8_code_in_an_engram_table(tmp_path):
+    tensors = with_code(released_tensors(), "layers.0.engram.embed.weight", (49, 63), 0x7F)
+    checkpoint = write_checkpoint(tmp_path / "released", tensors)
+    assert_rejected(checkpoint, tmp_path, "'layers.0.engram.embed.weight'", "NaN FP8 code", "[49, 63]")
+
+
+def test_scale_that_overflows_the_decoded_dtype(tmp_path):
+    # 448 * 2^127 is past fp32's range: the decoded value is inf although every byte is a valid code
+    tensors = released_tensors()
+    tensors["layers.0.attn.wq_a.weight"] = torch.full((48, 32), 448.0).to(torch.float8_e4m3fn)
+    tensors = with_code(tensors, "layers.0.attn.wq_a.scale", (0, 0), 254)
+    checkpoint = write_checkpoint(tmp_path / "released", tensors)
+    assert_rejected(checkpoint, tmp_path, "'layers.0.attn.wq_a.weight'", "inf", "overflows")
+
+
+@pytest.mark.parametrize("name,index,value", [
+    ("embed.weight", (7, 3), float("nan")),               # BF16
+    ("norm.weight", (31,), float("-inf")),                 # BF16, last element
+    ("layers.0.attn.attn_sink", (2,), float("inf")),       # F32
+    ("layers.0.hc_attn_fn", (23, 127), float("nan")),      # F32, last element
+])
+def test_non_finite_plain_value(tmp_path, name, index, value):
+    tensors = released_tensors()
+    tensors[name][index] = value
+    checkpoint = write_checkpoint(tmp_path / "released", tensors)
+    assert_rejected(checkpoint, tmp_path, f"{name!r}", str(list(index)), str(value).lstrip("-"),
+                    shard_of(checkpoint, name).name)
+
+
+def test_large_finite_values_whose_sum_overflows_still_load(tmp_path):
+    # the fast check sums each block; an overflowing sum of finite values must not be reported as corruption
+    tensors = released_tensors()
+    tensors["embed.weight"][0, :4] = 3e38
+    model = FakeModel()
+    load_checkpoint_into_model(model, write_checkpoint(tmp_path / "released", tensors))
+    assert model.get_parameter("embed.weight")[0, :4].isfinite().all()
+
+
+@pytest.mark.parametrize("value", [-2.0**-10, float("nan"), float("inf")])
+def test_bad_f32_scale(tmp_path, value):
+    tensors = released_tensors()
+    scale = tensors["layers.0.ffn.experts.1.w2.scale"].float()
+    scale[3, 1] = value
+    tensors["layers.0.ffn.experts.1.w2.scale"] = scale  # older releases' F32 scales
+    checkpoint = write_checkpoint(tmp_path / "released", tensors)
+    assert_rejected(checkpoint, tmp_path, "'layers.0.ffn.experts.1.w2.weight'", "F32 scale", str(value).lstrip("-"))
+
+
+def test_legacy_f32_scales_still_load(tmp_path):
+    tensors = released_tensors()
+    for name in [n for n in tensors if n.endswith(".scale")]:
+        tensors[name] = tensors[name].float()
+    load_checkpoint_into_model(FakeModel(), write_checkpoint(tmp_path / "released", tensors))
+
+
+def test_finite_check_opt_out(tmp_path, monkeypatch):
+    tensors = released_tensors()
+    tensors["embed.weight"][1, 1] = float("nan")
+    checkpoint = write_checkpoint(tmp_path / "released", tensors)
+    model = FakeModel()
+    load_checkpoint_into_model(model, checkpoint, check_finite=False)
+    assert model.get_parameter("embed.weight")[1, 1].isnan()
+    monkeypatch.setenv("DEEPSEEK_V41_CHECK_FINITE", "0")
+    load_checkpoint_into_model(FakeModel(), checkpoint)
+    with pytest.raises(CheckpointError, match="holds nan"):  # the keyword wins over the environment
+        load_checkpoint_into_model(FakeModel(), checkpoint, check_finite=True)
+    monkeypatch.setenv("DEEPSEEK_V41_CHECK_FINITE", "no")
+    with pytest.raises(ValueError, match="DEEPSEEK_V41_CHECK_FINITE='no'"):
+        load_checkpoint_into_model(FakeModel(), checkpoint)
+
+
+@pytest.mark.parametrize("name,stored", [
+    ("norm.weight", torch.float16),                  # a BF16 tensor relabelled F16: same bytes, other values
+    ("embed.weight", torch.float64),
+    ("layers.0.attn.attn_sink", torch.float16),
+    ("layers.0.hc_attn_fn", torch.int32),            # F32 bytes relabelled I32
+])
+def test_dtype_the_released_format_does_not_allow(tmp_path, name, stored):
+    tensors = released_tensors()
+    tensors[name] = tensors[name].to(stored)
+    checkpoint = write_checkpoint(tmp_path / "released", tensors)
+    assert_rejected(checkpoint, tmp_path, f"{name!r}", shard_of(checkpoint, name).name, "BF16 or F32", "wrong dtype")
+
+
+def test_fp4_is_only_for_routed_experts(tmp_path):
+    tensors = released_tensors()
+    tensors["layers.0.attn.wq_a.weight"], tensors["layers.0.attn.wq_a.scale"] = encode_fp4_packed(torch.randn(48, 32))
+    checkpoint = write_checkpoint(tmp_path / "released", tensors)
+    assert_rejected(checkpoint, tmp_path, "'layers.0.attn.wq_a.weight'", "packed FP4", "routed experts")
+
+
+def edit_header(shard: Path, edit) -> None:
+    """Rewrite a shard's safetensors header with `edit(header)`; the data bytes stay as they are."""
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    shard.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + length:])
+
+
+def test_overlapping_byte_ranges(good, tmp_path):
+    # two tensors of one size made to share bytes: each would read the other's values
+    shard = shard_of(good, "layers.0.ffn.experts.0.w1.weight")
+    names = [n for n, f in json.loads((good / "model.safetensors.index.json").read_text())["weight_map"].items()
+             if f == shard.name and n.startswith("layers.0.ffn.experts.") and n.endswith(".w1.weight")]
+
+    def overlap(header):
+        header[names[1]]["data_offsets"] = list(header[names[0]]["data_offsets"])
+
+    edit_header(shard, overlap)
+    assert_rejected(good, tmp_path, str(shard), "overlap", names[0], names[1])
+
+
+@pytest.mark.parametrize("offsets,shape,fragment", [
+    ([0.0, 80.0], [40], "non-negative integers"),                # floats
+    (["0", "80"], [40], "non-negative integers"),                # strings
+    ([0, 80, 160], [40], "non-negative integers"),               # three offsets
+    ([0, 80], [40.5], "non-negative integers"),                  # a float dimension
+    ([0, 80], [-40], "non-negative integers"),
+    ([0, 78], [40], "wrong length"),                             # size != shape x dtype
+    ([1 << 40, (1 << 40) + 80], [40], "truncated"),              # past the end of the file
+])
+def test_corrupted_header_entry(good, tmp_path, offsets, shape, fragment):
+    # norm.weight is BF16 [32]; its entry replaced by a broken one
+    shard = shard_of(good, "norm.weight")
+
+    def corrupt(header):
+        header["norm.weight"]["data_offsets"] = offsets
+        header["norm.weight"]["shape"] = shape
+
+    edit_header(shard, corrupt)
+    assert_rejected(good, tmp_path, str(shard), "'norm.weight'", fragment)

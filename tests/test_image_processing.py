@@ -172,3 +172,67 @@ def test_patches_are_row_major(tiny_processor):
 def test_rejects_non_uint8_arrays(tiny_processor):
     with pytest.raises(ValueError, match="uint8"):
         tiny_processor(np.zeros((3, 28, 28), dtype=np.float32))
+
+
+# ---- image modes and sources (issue 24, Processor) ----
+
+RGB = np.random.default_rng(5).integers(0, 256, (28, 42, 3), dtype=np.uint8)
+
+
+def test_sixteen_bit_gray_is_rounded_to_8_bits_not_clipped(tiny_processor):
+    # PIL's own convert("RGB") clips I;16 at 255: nearly every pixel of a 16-bit image became white
+    gray8 = RGB[..., 0]
+    gray16 = gray8.astype(np.uint16) * 257  # the same image at 16 bits (255 -> 65535)
+    gray16[0, 0] += 100  # rounds back to the same 8-bit value
+    from_16 = tiny_processor(Image.fromarray(gray16))["pixel_values"]
+    assert Image.fromarray(gray16).mode == "I;16"
+    assert torch.equal(from_16, tiny_processor(Image.fromarray(gray8, mode="L"))["pixel_values"])
+
+
+@pytest.mark.parametrize("array", [
+    np.linspace(0, 1, 28 * 42, dtype=np.float32).reshape(28, 42),      # F in [0, 1]: clipped to black by PIL
+    np.full((28, 42), np.nan, dtype=np.float32),                        # F holding NaN
+    np.arange(28 * 42, dtype=np.int32).reshape(28, 42) * 1000,          # I (32-bit)
+])
+def test_integer_and_float_mode_images_are_refused(tiny_processor, array):
+    image = Image.fromarray(array)
+    assert image.mode in ("F", "I")
+    with pytest.raises(ValueError, match=rf"\({image.mode}\) image has no known value range"):
+        tiny_processor(image)
+
+
+@pytest.mark.parametrize("array", [np.full((28, 42, 3), np.nan, np.float32), np.zeros((28, 42, 3), np.uint16)])
+def test_non_uint8_arrays_are_refused(tiny_processor, array):
+    with pytest.raises(ValueError, match="expected an RGB uint8 image"):
+        tiny_processor(array)
+
+
+def test_palette_la_and_cmyk_convert_by_their_colors(tiny_processor):
+    reference = tiny_processor(Image.fromarray(RGB))["pixel_values"]
+    palette = Image.fromarray(RGB).quantize(256)
+    assert torch.equal(tiny_processor(palette)["pixel_values"], tiny_processor(palette.convert("RGB"))["pixel_values"])
+    red = tiny_processor(Image.new("CMYK", (42, 28), (0, 255, 255, 0)))["pixel_values"]
+    assert torch.equal(red, tiny_processor(Image.new("RGB", (42, 28), (255, 0, 0)))["pixel_values"])
+    la = tiny_processor(Image.fromarray(np.stack([RGB[..., 0], RGB[..., 1]], -1), mode="LA"))["pixel_values"]
+    assert torch.equal(la, tiny_processor(Image.fromarray(RGB[..., 0], mode="L"))["pixel_values"])  # alpha dropped
+    assert reference.shape == red.shape
+
+
+def test_path_and_bytes_are_opened(tiny_processor, tmp_path):
+    file = tmp_path / "image.png"
+    Image.fromarray(RGB).save(file)
+    reference = tiny_processor(Image.fromarray(RGB))["pixel_values"]
+    for source in (str(file), file, file.read_bytes(), [file.read_bytes()]):
+        assert torch.equal(tiny_processor(source)["pixel_values"], reference)
+
+
+def test_bad_path_or_bytes_are_named(tiny_processor, tmp_path):
+    with pytest.raises(FileNotFoundError, match=rf"image file {tmp_path / 'missing.png'} does not exist"):
+        tiny_processor(str(tmp_path / "missing.png"))
+    with pytest.raises(ValueError, match="the 5 bytes given as an image: not an image PIL can decode"):
+        tiny_processor(b"hello")
+    file = tmp_path / "cut.png"
+    Image.fromarray(RGB).save(file)
+    file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"image file {file}: not an image PIL can decode"):
+        tiny_processor(str(file))

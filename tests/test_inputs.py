@@ -13,10 +13,10 @@ def model(v4_tokenizer):
 IDS = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-def test_left_padding(model):
+def test_holes_in_the_attention_mask(model):  # left and right padding are supported (test_generation.py)
     mask = torch.ones_like(IDS)
-    mask[0, :4] = 0
-    with pytest.raises(ValueError, match="right padding"):
+    mask[0, 4:8] = 0
+    with pytest.raises(ValueError, match="holes"):
         model(IDS, attention_mask=mask)
 
 
@@ -67,9 +67,11 @@ def test_million_token_training_is_out_of_scope(v4_tokenizer):
         model(IDS)
 
 
-def test_use_cache_is_not_implemented(model):
-    with pytest.raises(NotImplementedError, match="use_cache=False"):
-        model(IDS, use_cache=True)
+def test_a_foreign_cache_is_refused(model):  # use_cache=True returns a DeepseekV41Cache (test_generation.py)
+    from transformers import DynamicCache
+
+    with pytest.raises(TypeError, match="DeepseekV41Cache"):
+        model(IDS, past_key_values=DynamicCache())
 
 
 def test_dspark_is_not_implemented(model):
@@ -103,3 +105,48 @@ def test_engram_without_tokenizer_is_a_clear_error():
 
     with pytest.raises(ValueError, match="pass tokenizer="):
         DeepseekV41ForCausalLM(tiny_config())
+
+
+@pytest.mark.parametrize("bad_id", [-1, -100, 1024, 10**6])
+def test_input_ids_outside_the_vocabulary(model, bad_id):
+    ids = IDS.clone()
+    ids[1, 5] = bad_id
+    with pytest.raises(ValueError, match=rf"input_ids must be token ids in \[0, 1024\).*\[{bad_id}\]"):
+        model(ids)
+
+
+def test_out_of_vocabulary_id_under_the_padding_is_refused_too(model):
+    # a padded position still goes through the embedding: pad with the pad id, not -100
+    ids, mask = IDS.clone(), torch.ones_like(IDS)
+    ids[0, 30:], mask[0, 30:] = -100, 0
+    with pytest.raises(ValueError, match="pad with the pad token id"):
+        model(ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (2, 0), (0, 0)])
+def test_empty_batch_or_sequence(model, shape):
+    with pytest.raises(ValueError, match="empty batch or a length-0 sequence"):
+        model(torch.zeros(shape, dtype=torch.long))
+
+
+@pytest.mark.parametrize("value", [2, -1])
+def test_attention_mask_values_other_than_0_and_1(model, value):
+    mask = torch.ones_like(IDS)
+    mask[1, 3] = value
+    with pytest.raises(ValueError, match=rf"only 0 \(padding\) and 1 \(token\); got \[{value}\]"):
+        model(IDS, attention_mask=mask)
+
+
+def test_float_attention_mask(model):
+    with pytest.raises(ValueError, match="bool or integers, got torch.float32"):
+        model(IDS, attention_mask=torch.full(IDS.shape, 0.5))
+
+
+def test_bool_and_integer_masks_agree(model):
+    mask = torch.ones_like(IDS)
+    mask[0, 28:] = 0
+    with torch.no_grad():
+        as_long = model(IDS, attention_mask=mask).logits
+        as_bool = model(IDS, attention_mask=mask.bool()).logits
+        as_int32 = model(IDS, attention_mask=mask.int()).logits
+    assert torch.equal(as_long, as_bool) and torch.equal(as_long, as_int32)

@@ -315,3 +315,41 @@ def test_save_reload_with_trust_remote_code_in_fresh_process(processor, saved, t
     remote = torch.load(folder / "remote_out.pt")
     assert remote.pop("chat") == processor.apply_chat_template(CONVERSATION, thinking=True)
     _assert_same(remote, _run(processor, images))
+
+
+# ---- a saved folder missing a file, and images given as paths or bytes (issue 24, Processor) ----
+
+
+@pytest.mark.parametrize("name", ["processor_config.json", "tokenizer.json", "tokenizer_config.json"])
+def test_saved_folder_missing_a_file_is_named(saved, tmp_path, name):
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(saved[0], folder)
+    (folder / name).unlink()
+    for loader in (DeepseekV41Processor.from_pretrained, AutoProcessor.from_pretrained):
+        with pytest.raises(FileNotFoundError, match=rf"{folder} lacks {name}"):
+            loader(folder)
+
+
+def test_truncated_tokenizer_file_in_a_saved_folder_is_named(saved, tmp_path):
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(saved[0], folder)
+    whole = (folder / "tokenizer.json").read_bytes()
+    (folder / "tokenizer.json").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=rf"{folder / 'tokenizer.json'} is not valid JSON"):
+        DeepseekV41Processor.from_pretrained(folder)
+
+
+def test_images_as_paths_and_bytes(processor, saved):
+    folder, images = saved
+    text = f"A{IMAGE_PLACEHOLDER}B"
+    reference = processor(text=text, images=images[0], return_tensors="pt")
+    for source in (str(folder / "image0.png"), (folder / "image0.png").read_bytes()):
+        out = processor(text=text, images=source, return_tensors="pt")
+        assert torch.equal(out["pixel_values"], reference["pixel_values"])
+        assert torch.equal(out["input_ids"], reference["input_ids"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        processor(text=text, images=str(folder / "missing.png"))

