@@ -22,7 +22,12 @@ from pathlib import Path
 import torch
 
 from deepseek_v41.checkpoint import INDEX_FILE, write_safetensors
-from deepseek_v41.release_format import encode_fp4_packed, encode_fp8_blockwise, encode_fp8_rows
+from deepseek_v41.release_format import (
+    RELEASED_QUANTIZATION_CONFIG,
+    encode_fp4_packed,
+    encode_fp8_blockwise,
+    encode_fp8_rows,
+)
 
 # The golden tiny model's config (released structure, tiny sizes). Engram rows come from the prime rule
 # for engram_vocab_size 97, 4 heads, n-grams 2..4 (architecture.md §9.2).
@@ -34,14 +39,7 @@ TINY_CONFIG = {
     "eos_token_id": 1,
     "pad_token_id": 2,
     "image_token_id": 129264,
-    "quantization_config": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [32, 32],
-        "expert_dtype": "fp4",
-    },
+    "quantization_config": RELEASED_QUANTIZATION_CONFIG,
     "text_config": {
         "model_type": "deepseek_v41_text",
         "vocab_size": 129280,

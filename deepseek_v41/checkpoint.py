@@ -1,4 +1,4 @@
-"""Released DeepSeek-V4.1 checkpoints: read and validate them, stream them into a model, export floating point.
+"""Released DeepSeek-V4.1 checkpoints: read and validate them, stream them into a model, write safetensors.
 
 A released snapshot (architecture.md §12) is `config.json` (with `quantization_config`) plus
 `model.safetensors.index.json` and shards. Quantized tensors come as codes plus a `.scale` tensor
@@ -9,7 +9,8 @@ The model's parameter names equal the released names, except that routed experts
 layer: released `layers.{i}.ffn.experts.{e}.w1.weight` is row e of model `layers.{i}.ffn.experts.w1`.
 
 Loading streams shard by shard and, inside a tensor, row block by row block, reading only the bytes it
-needs, so memory beyond the model stays at a few row blocks (one shard at most).
+needs, so memory beyond the model stays at a few row blocks (one shard at most). Long loads, conversions
+and exports show transformers' progress bar in bytes (`progress_bar`).
 
 Opening a checkpoint validates every safetensors header (integer offsets in range, sizes that match
 shape x dtype, no two tensors sharing bytes) and each tensor's dtype against the released format for its
@@ -21,14 +22,11 @@ environment variable `DEEPSEEK_V41_CHECK_FINITE=0` (which also covers `from_pret
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
 import os
 import re
-import shutil
-import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -77,10 +75,6 @@ SCALE_DTYPES = ("F8_E8M0", "F32")
 PLAIN_DTYPES = ("BF16", "F32")
 # Environment opt-out of the per-block finite check (`check_finite`), for speed on trusted checkpoints.
 CHECK_FINITE_ENV = "DEEPSEEK_V41_CHECK_FINITE"
-# torch dtypes a floating-point export must not contain
-_QUANTIZED_TORCH_DTYPES = {
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.int8, torch.uint8
-}
 
 # Row blocks the loader decodes at once (output bytes); bounds the memory beyond the model.
 LOAD_BLOCK_BYTES = 64 << 20
@@ -88,6 +82,15 @@ LOAD_BLOCK_BYTES = 64 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is; the message names the tensor and the file."""
+
+
+def progress_bar(total_bytes: int, desc: str):
+    """transformers' tqdm over bytes (off after `transformers.utils.logging.disable_progress_bar()`);
+    callers show the shard in the postfix. Use as a context manager; `update(nbytes)` per tensor or block."""
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                           leave=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -688,13 +691,21 @@ def load_checkpoint_into_model(
     by_file = defaultdict(list)
     for assignment in plan:
         by_file[checkpoint.tensors[assignment.released].record.file].append(assignment)
-    for file in sorted(by_file):
-        for assignment in by_file[file]:
-            target = targets[assignment.target_name]
-            view = target[assignment.expert] if assignment.expert is not None else target
-            _load_one(checkpoint, assignment.released, view)
-            report.loaded.append(assignment.released)
+    total = sum(_stored_bytes(checkpoint.tensors[a.released]) for a in plan)
+    with progress_bar(total, "Loading checkpoint shards") as bar:
+        for number, file in enumerate(sorted(by_file), start=1):
+            bar.set_postfix_str(f"shard {number}/{len(by_file)}")
+            for assignment in by_file[file]:
+                target = targets[assignment.target_name]
+                view = target[assignment.expert] if assignment.expert is not None else target
+                _load_one(checkpoint, assignment.released, view)
+                report.loaded.append(assignment.released)
+                bar.update(_stored_bytes(checkpoint.tensors[assignment.released]))
     return report
+
+
+def _stored_bytes(stored: StoredTensor) -> int:
+    return stored.record.nbytes + (stored.scale.nbytes if stored.scale is not None else 0)
 
 
 def _load_one(checkpoint: ReleasedCheckpoint, name: str, target: torch.Tensor) -> None:
@@ -710,7 +721,7 @@ def _load_one(checkpoint: ReleasedCheckpoint, name: str, target: torch.Tensor) -
 
 
 # ----------------------------------------------------------------------------------------------------
-# Floating-point export
+# Writing safetensors (the export itself is hf_export.py)
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -758,104 +769,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | RowBlocks]) 
                 data = block.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
                 handle.write(memoryview(data.numpy()))
                 written += data.numel()
+                del block, data  # not held while the next block is produced
             if written != entry.nbytes:
                 raise ValueError(f"tensor {name!r}: its row blocks hold {written} bytes, its shape {entry.nbytes}")
-
-
-def _shard_name(index: int, total: int) -> str:
-    return f"model-{index:05d}-of-{total:05d}.safetensors"
-
-
-def save_floating_point_checkpoint(
-    state_items: Iterable[tuple[str, torch.Tensor | RowBlocks]],
-    out_dir: str | os.PathLike,
-    config_dict: dict,
-    remote_code_files: Iterable[str | os.PathLike] = (),
-    max_shard_bytes: int = 5 << 30,
-) -> dict[str, str]:
-    """Write a floating-point checkpoint with released names; returns its weight map (name -> shard).
-
-    `state_items` yields (model or released name, full tensor or `RowBlocks`), e.g.
-    `model.state_dict().items()`; stacked experts [E, ...] are written per expert
-    (`...experts.{e}.w1.weight`). Dtypes are kept (fp32 stays fp32). `config.json` is written without
-    `quantization_config`; `remote_code_files` (the modeling `.py` files, tokenizer files) are copied as
-    they are. Everything goes to a temporary sibling directory that replaces `out_dir` only once complete:
-    on any failure `out_dir` is untouched and nothing is left behind.
-    """
-    out_dir = Path(out_dir)
-    files = [Path(f) for f in remote_code_files]
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"file to copy into the export does not exist: {f}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
-        weight_map, total_size = _write_shards(state_items, staging, max_shard_bytes)
-        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        config = copy.deepcopy(config_dict)
-        if config.pop("quantization_config", None) is not None:
-            logger.info("dropping quantization_config: the export holds floating-point weights")
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        for f in files:
-            shutil.copyfile(f, staging / f.name)
-        _replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return weight_map
-
-
-def _export_items(state_items) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
-    # released names, stacked experts split, quantized dtypes refused, each name once
-    seen = set()
-    for model_name, value in state_items:
-        split = released_items(model_name, value) if isinstance(value, torch.Tensor) else [(model_name, value)]
-        for name, item in split:
-            if item.dtype in _QUANTIZED_TORCH_DTYPES:
-                raise NotImplementedError(f"tensor {name!r} is {item.dtype}: re-exporting quantized weights is "
-                                          "not supported; export floating-point parameters")
-            if name in seen:
-                raise ValueError(f"tensor {name!r} is given twice")
-            seen.add(name)
-            yield name, item
-
-
-def _write_shards(state_items, staging: Path, max_shard_bytes: int) -> tuple[dict[str, str], int]:
-    written: list[tuple[Path, list[str]]] = []
-    pending: dict[str, torch.Tensor | RowBlocks] = {}
-    pending_bytes = total_size = 0
-
-    def flush():
-        path = staging / f"shard-{len(written):05d}.partial"
-        write_safetensors(path, pending)
-        written.append((path, list(pending)))
-
-    for name, value in _export_items(state_items):
-        nbytes = _as_row_blocks(value).nbytes
-        if pending and pending_bytes + nbytes > max_shard_bytes:
-            flush()
-            pending, pending_bytes = {}, 0
-        pending[name] = value
-        pending_bytes += nbytes
-        total_size += nbytes
-    if pending or not written:
-        flush()
-    weight_map = {}
-    for index, (path, names) in enumerate(written, start=1):
-        final = _shard_name(index, len(written))
-        path.rename(staging / final)
-        weight_map.update(dict.fromkeys(names, final))
-    return weight_map, total_size
-
-
-def _replace_dir(staging: Path, out_dir: Path) -> None:
-    # Two renames: the previous export moves aside only once the new one is complete.
-    if out_dir.exists():
-        retired = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-        out_dir.rename(retired)
-        staging.rename(out_dir)
-        shutil.rmtree(retired)
-    else:
-        staging.rename(out_dir)

@@ -8,7 +8,9 @@ Parameter names are the released checkpoint's (``embed.weight``, ``layers.{i}.at
 """
 
 import contextlib
+import logging
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,8 @@ from .engram import Engram, engram_constants, resolve_engram_tokenizer
 from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
 from .moe import MoE, RoutedExperts, Router
+
+logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # a label that counts for nothing (padding, prompt tokens)
 
@@ -256,34 +260,56 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         model.eval()
         return model
 
-    def save_pretrained(self, save_directory, max_shard_size="5GB", is_main_process=True, safe_serialization=True,
-                        push_to_hub=False, **kwargs):
-        """Export a floating-point checkpoint: released names, fp32 islands kept, no quantization metadata,
-        remote-code files and ``auto_map`` included; written to a temporary folder renamed into place."""
-        from .checkpoint import save_floating_point_checkpoint
+    def save_pretrained(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False,
+                        max_shard_size="5GB", safe_serialization=True, quantize=None, variant=None, token=None,
+                        save_peft_format=True, save_original_format=True, distributed_checkpoint=False, **kwargs):
+        """Export a Hugging Face folder: released tensor names, remote-code files with ``auto_map``, tokenizer,
+        processor and generation files; streamed shard by shard into a new folder that then takes ``save_directory``'s place
+        (only an empty folder or a previous export is replaced).
 
-        if push_to_hub:
-            raise NotImplementedError("push_to_hub is not supported: save locally, then upload the folder")
-        if not safe_serialization:
-            raise ValueError("only safetensors checkpoints are written (safe_serialization=True)")
+        ``quantize=None`` keeps the weights as held (fp32 islands stay fp32); ``quantize="release"`` re-encodes
+        them to the released FP8/FP4/Engram format with its ``quantization_config`` (served unchanged by the
+        official code, vLLM and SGLang). ``state_dict`` (e.g. from transformers' Trainer) is written instead of
+        the model's own tensors. ``save_peft_format`` / ``save_original_format`` change nothing here: the
+        model's names already are the original checkpoint's.
+        """
+        from .hf_export import export_config, local_source, write_export
+
         if kwargs:
             raise TypeError(f"save_pretrained got unexpected keyword arguments {sorted(kwargs)}")
+        if push_to_hub:
+            raise NotImplementedError("push_to_hub is not supported: save locally, then upload the folder "
+                                      "(huggingface_hub.upload_folder)")
+        if token is not None:
+            raise ValueError("token= is only used to push to the Hub, which save_pretrained does not do")
+        if not safe_serialization:
+            raise ValueError("safe_serialization=False: only safetensors checkpoints are written; "
+                             "drop the argument (pickle .bin files are not supported)")
+        if variant is not None:
+            raise ValueError(f"variant={variant!r}: weight variants are not supported; save into another folder")
+        if distributed_checkpoint:
+            raise ValueError("distributed_checkpoint=True is not supported here: a sharded training run exports "
+                             "with checkpoint.export_dir (deepseek_v41.training.export), shard by shard")
         if not is_main_process:
             return
-
-        config = self.config.to_dict()
-        config.pop("quantization_config", None)
-        config["architectures"] = [type(self).__name__]
-        config["auto_map"] = AUTO_MAP
-        config["dtype"] = str(self.embed.weight.dtype).removeprefix("torch.")
-        text = config["text_config"]
-        if "rope_parameters" in text:  # transformers >= 5.2x renames it; the release spells it rope_scaling
-            text["rope_scaling"] = {k: v for k, v in text.pop("rope_parameters").items() if k != "rope_theta"}
-        with tempfile.TemporaryDirectory() as scratch:  # Engram's tokenizer travels with the weights
-            files = remote_code_files() + save_tokenizer_files(self.engram_tokenizer, Path(scratch), self.config)
-            save_floating_point_checkpoint(
-                self.state_dict().items(), save_directory, config, files, parse_size(max_shard_size)
-            )
+        own = self.state_dict()
+        if state_dict is None:
+            state_dict = own
+        unknown = sorted(set(state_dict) - set(own))
+        if unknown:
+            raise ValueError(f"state_dict holds {unknown[:5]} ({len(unknown)} in all), which {type(self).__name__} "
+                             "has no tensor for: pass this model's state_dict() names")
+        missing = sorted(set(own) - set(state_dict))
+        if missing:
+            logger.warning("save_pretrained: state_dict lacks %d of the model's tensors (%s...); the folder will "
+                           "not load without them", len(missing), missing[:3])
+        config = export_config(self.config.to_dict(), architectures=[type(self).__name__],
+                               dtype=self.embed.weight.dtype, auto_map=AUTO_MAP, quantize=quantize)
+        with tempfile.TemporaryDirectory() as scratch:  # Engram's tokenizer and the processor travel along
+            files = remote_code_files() + support_files(self.config, self.engram_tokenizer, Path(scratch),
+                                                        getattr(self, "generation_config", None))
+            write_export([local_source(n, t) for n, t in state_dict.items()], save_directory, config, files,
+                         quantize=quantize, max_shard_bytes=parse_size(max_shard_size))
 
 
 class DeepseekV41Model(DeepseekV41PreTrainedModel):
@@ -879,15 +905,37 @@ def save_tokenizer_files(tokenizer, folder: Path, config) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file())
 
 
+def support_files(config, tokenizer, folder: Path, generation_config=None) -> list[Path]:
+    """Tokenizer, processor and generation files of an export, written into ``folder``: Engram's tokenizer, the
+    processor (``processor_config.json`` with ``auto_map``, chat template) so the export loads with
+    ``AutoProcessor``, and ``generation_config.json`` when given."""
+    save_tokenizer_files(tokenizer, folder, config)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    if (folder / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        from .image_processing_deepseek_v41 import DeepseekV41ImageProcessor
+        from .processing_deepseek_v41 import DeepseekV41Processor
+
+        DeepseekV41ImageProcessor.register_for_auto_class("AutoImageProcessor")
+        DeepseekV41Processor.register_for_auto_class("AutoProcessor")
+        image_processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
+        processor = DeepseekV41Processor(image_processor, AutoTokenizer.from_pretrained(folder),
+                                         image_token_id=config.image_token_id)
+        processor.save_pretrained(folder)
+    return sorted(p for p in folder.iterdir() if p.is_file())
+
+
 def parse_size(size) -> int:
-    if isinstance(size, int):
+    """transformers' ``max_shard_size``: a byte count, or text such as '5GB', '500MB', '4GiB' -> bytes."""
+    if isinstance(size, int) and not isinstance(size, bool):
         return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    text = str(size).strip().upper()
-    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(size).upper())
+    if not match:
+        raise ValueError(f"{size!r} is not a size: give a byte count or e.g. '5GB', '500MB', '4GiB'")
+    number, unit, binary = match.groups()
+    return int(float(number) * (1024 if binary else 1000) ** " KMGT".index(unit or " "))
 
 
 def remote_code_files() -> list[Path]:

@@ -6,10 +6,13 @@ checkpoints).  All three are "codes times a power-of-two scale per group of 32 a
 - FP8 Engram table rows F8_E4M3 [rows, d] with scales [rows, ceil(d/32)].
 
 Scales are F8_E8M0 (2^(e-127)) or, in some older releases, F32: decoding branches on the scale dtype.
+`released_format(name)` says which format the release stores each tensor in (F32 for the fp32 islands,
+BF16 for the rest), for re-encoding a fine-tuned model (`save_pretrained(..., quantize="release")`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
@@ -22,6 +25,38 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 # Output elements per thread per CPU decode step: the gather, its index and the scaling stay in cache
 # (measured: 2^18 decodes ~2x faster per core than whole-tensor passes, and than 2^14).
 _CPU_CHUNK_ELEMENTS = 1 << 18
+
+
+# The release's config.json quantization_config (what the official code, vLLM and SGLang read).
+RELEASED_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [32, 32],
+    "expert_dtype": "fp4",
+}
+_FP8_LINEARS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
+                          r"|engram\.wkv)\.weight$")
+_FP4_EXPERTS = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+_FP8_TABLES = re.compile(r"\.engram\.embed\.weight$")
+_F32_NAMES = re.compile(r"(\.attn_sink|\.hc_(attn|ffn)_(fn|base|scale)|\.ffn\.gate\.bias(_vl)?)$")
+
+
+def released_format(name: str, shape: tuple[int, ...] = ()) -> tuple[str, torch.dtype]:
+    """(format, dtype) the release stores tensor `name` (released name) in: "fp8_block" (32x32 UE8M0 blocks),
+    "fp4" (packed experts), "fp8_rows" (Engram tables) with codes in `dtype`, or "plain" in BF16 / F32."""
+    if _FP4_EXPERTS.search(name):
+        if len(shape) == 2 and shape[1] % 2:
+            raise ValueError(f"{name!r} has shape {list(shape)}: FP4 packing needs an even number of columns")
+        return "fp4", torch.int8
+    if _FP8_TABLES.search(name):
+        return "fp8_rows", torch.float8_e4m3fn
+    if _FP8_LINEARS.search("." + name):
+        return "fp8_block", torch.float8_e4m3fn
+    if _F32_NAMES.search("." + name):
+        return "plain", torch.float32
+    return "plain", torch.bfloat16
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:

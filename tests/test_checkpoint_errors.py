@@ -20,6 +20,7 @@ from deepseek_v41.checkpoint import (
     released_to_model_name,
     write_safetensors,
 )
+from deepseek_v41.hf_export import local_source, write_export
 from deepseek_v41.release_format import encode_fp4_packed, encode_fp8_blockwise, encode_fp8_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,11 +115,11 @@ def assert_rejected(checkpoint: Path, tmp_path: Path, *fragments: str, text_conf
         assert fragment in message, f"{fragment!r} not in: {message}"
     # an existing export must survive a failed conversion, and no temporary directory may remain
     out = tmp_path / "export"
-    out.mkdir()
-    (out / "marker.txt").write_text("previous export")
+    write_export([local_source("previous", torch.ones(2))], out, {"previous": True})
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(CheckpointError):
         convert(checkpoint, out, build_model=lambda src: FakeModel(text_config=text_config, device="meta"))
-    assert [p.name for p in out.iterdir()] == ["marker.txt"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".export")) == []
     return message
 

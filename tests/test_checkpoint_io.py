@@ -21,9 +21,9 @@ from deepseek_v41.checkpoint import (
     load_checkpoint_into_model,
     read_safetensors_header,
     released_to_model_name,
-    save_floating_point_checkpoint,
     write_safetensors,
 )
+from deepseek_v41.hf_export import TensorSource, export_config, local_source, write_export
 from deepseek_v41.release_format import encode_fp8_blockwise
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +148,10 @@ def test_export_round_trip_with_released_names(tiny, tmp_path):
     out = tmp_path / "export"
     config = json.loads((tiny / "config.json").read_text())
     code = REPO / "deepseek_v41" / "checkpoint.py"
-    save_floating_point_checkpoint(model.state_dict().items(), out, config, [code], max_shard_bytes=4 << 20)
+    fp_config = export_config(config, architectures=config["architectures"], dtype=torch.bfloat16, auto_map={},
+                              quantize=None)
+    write_export([local_source(n, t) for n, t in model.state_dict().items()], out, fp_config, [code],
+                 max_shard_bytes=4 << 20)
     layout = stored_layout(out)
     released = {n: t for n, t in checkpoint.tensors.items()}
     assert set(layout) == set(released)  # released names: experts un-stacked, no scales
@@ -234,27 +237,31 @@ def test_mtp_is_skipped_and_non_strict_reports(tmp_path, caplog):
     assert torch.equal(model.w, tensors["w"])
 
 
+def save(items, out, config, **kwargs):
+    return write_export([v if isinstance(v, TensorSource) else local_source(n, v) for n, v in items], out, config,
+                        **kwargs)
+
+
 def test_export_is_atomic(tmp_path):
     out = tmp_path / "export"
 
-    def items_then_crash():
-        yield "a", torch.randn(1000)
-        yield "b", torch.randn(1000)
+    def crash(start, stop):
         raise RuntimeError("disk full")
 
+    items_then_crash = [("a", torch.randn(1000)), ("b", torch.randn(1000)), ("c", TensorSource("c", (9,), torch.float32, crash))]
     # no previous export: nothing appears
     with pytest.raises(RuntimeError, match="disk full"):
-        save_floating_point_checkpoint(items_then_crash(), out, {}, max_shard_bytes=4000)
+        save(items_then_crash, out, {}, max_shard_bytes=4000)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     # a previous export stays exactly as it was
-    save_floating_point_checkpoint([("old", torch.ones(3))], out, {"v": 1})
+    save([("old", torch.ones(3))], out, {"v": 1})
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(RuntimeError, match="disk full"):
-        save_floating_point_checkpoint(items_then_crash(), out, {"v": 2}, max_shard_bytes=4000)
+        save(items_then_crash, out, {"v": 2}, max_shard_bytes=4000)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     # and a successful export replaces it as a whole
-    save_floating_point_checkpoint([("new", torch.zeros(2))], out, {"v": 3})
+    save([("new", torch.zeros(2))], out, {"v": 3})
     assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == {
         "new": "model-00001-of-00001.safetensors"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
@@ -262,8 +269,8 @@ def test_export_is_atomic(tmp_path):
 
 def test_quantized_reexport_is_refused(tmp_path):
     q, _ = encode_fp8_blockwise(torch.randn(32, 32))
-    with pytest.raises(NotImplementedError, match="quantized"):
-        save_floating_point_checkpoint([("w", torch.randn(2)), ("a.weight", q)], tmp_path / "out", {})
+    with pytest.raises(NotImplementedError, match="stored codes"):
+        save([("w", torch.randn(2)), ("a.weight", q)], tmp_path / "out", {})
     assert list(tmp_path.iterdir()) == []
 
 

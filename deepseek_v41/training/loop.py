@@ -13,7 +13,9 @@ import math
 import os
 import random
 import resource
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -21,13 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from deepseek_v41.training import data as data_lib
-from deepseek_v41.training.checkpointing import (
-    layout_of,
-    load_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from deepseek_v41.training.checkpointing import Checkpointer, resolve_resume
 from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_modules
 from deepseek_v41.training.expert_parallel import (
     apply_expert_parallel,
@@ -48,10 +44,8 @@ class Trainer:
         self.recipe = recipe
         self.rank, self.world, self.device = _init_distributed(recipe["distributed"]["backend"])
         validate_world(recipe, self.world)
-        # Checked before the model is built: a wrong layout or a half-written folder fails in seconds.
-        self.resume_dir = resolve_resume(recipe)
-        if self.resume_dir is not None:
-            verify_checkpoint(self.resume_dir, layout_of(recipe, self.world))
+        # Checked before the model is built: a changed recipe or a damaged folder fails in seconds.
+        self.resume_dir, self.resume_meta = resolve_resume(recipe, self._print)
         _seed_everything(recipe["seed"])
         self.out_dir = Path(recipe["output_dir"])
         if self.rank == 0:
@@ -64,6 +58,7 @@ class Trainer:
         self.params = params
         self.optimizer = build_optimizer(params, recipe["optimizer"], self.device.type)
         self.wandb = _init_wandb(recipe) if self.rank == 0 and recipe["wandb"]["enable"] else None
+        self.checkpointer = Checkpointer(self)
 
     # ---- model -------------------------------------------------------------------------------------
     def _build_model(self):
@@ -236,14 +231,15 @@ class Trainer:
                     self._emit(metrics, val)
                     self._print(f"[finetune] step {step}: validation loss {val['val_loss']:.4f}")
                 if save_every and (step % save_every == 0 or step == self.max_steps):
-                    save_checkpoint(self, step)
+                    self.checkpointer.save(step)
                 if step % 10 == 0:
                     gc.collect()
+        self.checkpointer.wait()  # an async save still in flight is committed before the run reports done
         self._summary(train_tokens / max(train_time, 1e-9), time.perf_counter() - start)
         if r["checkpoint"]["export_dir"]:
-            from deepseek_v41.training.export import export_floating_point
+            from deepseek_v41.training.export import export_model
 
-            export_floating_point(self, r["checkpoint"]["export_dir"])
+            export_model(self, r["checkpoint"]["export_dir"], r["checkpoint"]["export_quantize"])
         return records
 
     def _resume(self) -> int:
@@ -252,7 +248,7 @@ class Trainer:
             if self.recipe["checkpoint"]["resume_from"] == "latest":
                 self._print("[finetune] checkpoint.resume_from=latest: no checkpoint yet, starting at step 0")
             return 0
-        step = load_checkpoint(self, self.resume_dir)
+        step = self.checkpointer.load(self.resume_dir, self.resume_meta)
         if step > self.max_steps:
             raise ValueError(f"{self.resume_dir} is at step {step}, past this run's {self.max_steps} updates; "
                              "raise step_scheduler.max_steps")
@@ -322,10 +318,28 @@ def average_summed_gradients(replicated: list, summed: list, world: int) -> None
 
 
 def _open_metrics(path: Path, first_step: int):
-    """metrics.jsonl for writing; on resume, keep the records up to ``first_step`` and append after them."""
+    """metrics.jsonl for writing; on resume, keep the records up to ``first_step`` and append after them.
+
+    A truncated last line (the run was killed mid-write) is dropped with a message; any other line that
+    is not a JSON record with a ``step`` is an error naming the file and line.
+    """
     if first_step == 0 or not path.is_file():
         return open(path, "w")
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= first_step]
+    lines = path.read_text().splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError) as err:
+            if number == len(lines):
+                print(f"[finetune] {path} line {number} is incomplete (an interrupted write): dropped", flush=True)
+                continue
+            raise ValueError(f"{path} line {number} is not a metrics record ({err}): repair or delete that line, "
+                             "or move the file away, then resume again") from None
+        if step <= first_step:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
     return open(path, "a")
 
@@ -368,10 +382,22 @@ def _init_wandb(recipe):
 
 
 def run(recipe: dict) -> list:
-    """Train with ``recipe`` (already parsed); returns the metric records (rank 0 writes metrics.jsonl)."""
-    trainer = Trainer(recipe)
+    """Train with ``recipe`` (already parsed); returns the metric records (rank 0 writes metrics.jsonl).
+
+    An exception on one rank must not leave the others waiting forever in a collective: with several
+    ranks, the failing one prints its traceback under its rank and exits non-zero at once, and torchrun
+    then stops every other rank.
+    """
     try:
-        return trainer.fit()
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        records = Trainer(recipe).fit()
+    except BaseException:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            sys.stdout.flush()
+            sys.stderr.write(f"[finetune] rank {dist.get_rank()} failed; stopping every rank:\n"
+                             f"{traceback.format_exc()}")
+            sys.stderr.flush()
+            os._exit(1)
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+    return records

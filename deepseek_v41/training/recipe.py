@@ -11,6 +11,7 @@ import copy
 import difflib
 import os
 import re
+from pathlib import Path
 
 import yaml
 
@@ -89,10 +90,13 @@ DEFAULTS = {
     },
     "clip_grad_norm": {"max_norm": 1.0},
     "checkpoint": {
-        "export_dir": None,  # floating-point export of the final weights (gathered on rank 0)
+        "export_dir": None,  # Hugging Face folder of the final weights (written shard by shard by rank 0)
+        "export_quantize": None,  # None = floating point as trained | release = the released FP8/FP4 format
         "save_every_steps": 0,  # training checkpoint every N updates and at the end; 0 = never
         "dir": None,  # None = <output_dir>/checkpoints
         "resume_from": None,  # None | a step_* folder | "latest" (the newest complete one, if any)
+        "async_save": False,  # write in a background thread while training continues (stages shards in RAM)
+        "keep_last": 0,  # keep the newest N complete step_* folders; 0 = keep all
     },
     "wandb": {
         "enable": False,
@@ -260,14 +264,46 @@ def validate_recipe(recipe: dict) -> None:
     every = ckpt["save_every_steps"]
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise RecipeError(f"checkpoint.save_every_steps={every!r}; give a whole number of updates (0 = never save)")
+    if not isinstance(ckpt["async_save"], bool):
+        raise RecipeError(f"checkpoint.async_save={ckpt['async_save']!r}; give true or false")
+    keep = ckpt["keep_last"]
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise RecipeError(f"checkpoint.keep_last={keep!r}; give a whole number of step folders (0 = keep all)")
     for key, accepted in (("dir", "a folder path or null"), ("resume_from", "a step_* folder path, latest or null")):
         if ckpt[key] is not None and (not isinstance(ckpt[key], str) or not ckpt[key]):
             raise RecipeError(f"checkpoint.{key}={ckpt[key]!r}; give {accepted}")
+    _check_export_dir(recipe)
     if recipe["model"]["config"]["pretrained_model_name_or_path"] in (None, ""):
         raise RecipeError(
             "model.config.pretrained_model_name_or_path is not set; pass "
             "--model.config.pretrained_model_name_or_path=/path/to/checkpoint"
         )
+
+
+def _check_export_dir(recipe: dict) -> None:
+    # The export replaces its folder: it must not be, hold or sit inside the run's other outputs.
+    ckpt = recipe["checkpoint"]
+    if ckpt["export_quantize"] not in (None, "release"):
+        raise RecipeError(f"checkpoint.export_quantize={ckpt['export_quantize']!r}; use null (floating point) "
+                          "or release (the released FP8/FP4 format)")
+    if ckpt["export_dir"] is None:
+        return
+    if not isinstance(ckpt["export_dir"], str) or not ckpt["export_dir"]:
+        raise RecipeError(f"checkpoint.export_dir={ckpt['export_dir']!r}; give a folder path or null")
+    export = Path(ckpt["export_dir"]).expanduser().resolve()
+    output = Path(recipe["output_dir"]).expanduser().resolve()
+    others = {"output_dir": output, "checkpoint.dir": Path(ckpt["dir"]).expanduser().resolve() if ckpt["dir"]
+              else output / "checkpoints"}
+    for key, other in others.items():
+        if export == other or export in other.parents or other in export.parents:
+            raise RecipeError(f"checkpoint.export_dir={ckpt['export_dir']} overlaps {key}={other}: the export "
+                              "replaces its whole folder; give it a folder of its own (e.g. a sibling)")
+    from deepseek_v41.hf_export import ExportError, check_export_destination
+
+    try:  # a folder the export would refuse fails now, not after the run
+        check_export_destination(export)
+    except ExportError as exc:
+        raise RecipeError(f"checkpoint.export_dir: {exc}") from None
 
 
 def validate_world(recipe: dict, world_size: int) -> None:
