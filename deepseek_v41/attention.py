@@ -18,7 +18,7 @@ new token per row, each row at its own position) reads it: the window ring, the 
 import torch
 from torch import nn
 
-from .layers import make_linear, make_rms_norm
+from .layers import FrozenLinear, is_plain_linear, make_linear, make_rms_norm
 from .quantization import quant_ops
 from .rope import apply_rope, rope_cis, rope_frequencies
 from .sparse_attention import indexer_scores_torch, sparse_attention_torch
@@ -39,6 +39,11 @@ class CSA2State:
 
     def publish(self, layer: int, name: str, value: torch.Tensor) -> None:
         self._slots.setdefault((layer, name), value)
+
+    def to(self, device) -> "CSA2State":
+        """Move the published values to ``device`` (blocks placed on several devices by a device_map)."""
+        self._slots = {key: value.to(device) for key, value in self._slots.items()}
+        return self
 
     def read(self, layer: int, name: str) -> torch.Tensor:
         if (layer, name) not in self._slots:
@@ -132,11 +137,11 @@ class Indexer(nn.Module):
     def __init__(self, config, owns_keys: bool, backend: dict):
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.wq_b = make_linear(config.q_lora_rank, self.n_heads * self.head_dim, backend)
-        self.weights_proj = make_linear(config.hidden_size, self.n_heads, backend)
+        self.wq_b = FrozenLinear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = FrozenLinear(config.hidden_size, self.n_heads)
         self.fp4_qdq = quant_ops(backend)[1]  # the MXFP4-like boundary of index queries and keys
         if owns_keys:
-            self.wk = make_linear(config.head_dim, self.head_dim, backend)
+            self.wk = FrozenLinear(config.head_dim, self.head_dim)
             self.k_norm = make_rms_norm(self.head_dim, config.rms_norm_eps, backend)
 
     def keys(self, latent: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
@@ -257,9 +262,18 @@ class Attention(nn.Module):
         # o [b, s, h, head_dim] -> [b, s, dim]
         b, s = o.shape[:2]
         o = apply_rope(o, cis, inverse=True)  # K = V carries rotated channels: undo at the query position
-        wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-        o = _GroupedProjection.apply(o.reshape(b * s, self.o_groups, -1), wo_a.to(o.dtype))  # [b·s, groups·o_lora]
+        o = self._grouped_wo_a(o.reshape(b * s, self.o_groups, -1))  # [b·s, groups·o_lora]
         return self.wo_b(o.view(b, s, -1))
+
+    def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
+        # o [n, groups, d] -> [n, groups·o_lora]: group g through rows g·o_lora..(g+1)·o_lora of wo_a
+        if is_plain_linear(self.wo_a):
+            wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
+            return _GroupedProjection.apply(o, wo_a.to(o.dtype))
+        # a wrapped wo_a (PEFT LoRA, ...) is called as a module, every group through all rows [n, groups, groups·r],
+        # and each group keeps its own block (the diagonal): exactly the merged weight's block-diagonal product
+        y = self.wo_a(o).unflatten(-1, (self.o_groups, self.o_lora_rank))  # [n, groups, groups, r]
+        return y.diagonal(dim1=1, dim2=2).transpose(1, 2).flatten(1)
 
     def _compressed_branch(self, x, qr, cis, positions, state):
         # Publishes (as a source) and returns the shared compressed KV [b, T, head_dim].

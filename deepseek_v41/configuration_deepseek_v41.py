@@ -292,8 +292,40 @@ class DeepseekV41Config(PretrainedConfig):
             **kwargs,
         )
 
-    def get_text_config(self, *args, **kwargs):
+    @property
+    def backend(self) -> dict:
+        """Kernel-backend names {kind: name}, always complete: any assignment (a partial dict such as
+        ``{"experts": "torch"}``, also through ``from_pretrained(..., backend=...)`` and the Auto classes) is
+        merged with the defaults and checked (``ValueError`` listing the registered names)."""
+        return self.__dict__["backend"]
+
+    @backend.setter
+    def backend(self, overrides):
+        self.__dict__["backend"] = resolve_backend(overrides)
+
+    def get_text_config(self, decoder=None, encoder=None):
         return self.text_config
+
+
+def _delegate_to_text_config(name: str) -> property:
+    # config.vocab_size etc.: the values transformers tools (Trainer, PEFT, TRL, generation) read at the top
+    # level live in text_config; reads and writes (e.g. resize_token_embeddings) go there
+    def get(self):
+        return getattr(self.text_config, name)
+
+    def set(self, value):
+        setattr(self.text_config, name, value)
+
+    return property(get, set, doc=f"``text_config.{name}``")
+
+
+TEXT_ATTRIBUTES = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "rms_norm_eps", "hidden_act", "initializer_range", "rope_theta", "sliding_window",
+    "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+)
+for _name in TEXT_ATTRIBUTES:
+    setattr(DeepseekV41Config, _name, _delegate_to_text_config(_name))
 
 
 # ---- value checks (every field, at construction, naming the field) ----

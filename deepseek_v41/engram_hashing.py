@@ -87,6 +87,16 @@ def build_compression_map(tokenizer) -> torch.Tensor:
     return torch.from_numpy(cmap)
 
 
+def compress_ids(input_ids: torch.Tensor, cmap: torch.Tensor) -> torch.Tensor:
+    """Token ids -> compressed ids.  An id past the tokenizer's map (a token added with
+    ``resize_token_embeddings``) gets a fresh compressed id of its own after the map's, ``size + id - len(cmap)``:
+    each new token is a distinct string.  Its products with the multipliers may wrap in int64, which is
+    deterministic, and the floor-mod still gives a row inside the table."""
+    n = cmap.shape[0]
+    known = cmap[input_ids.clamp(max=n - 1)]
+    return torch.where(input_ids < n, known, input_ids - n + cmap.max() + 1)
+
+
 def compression_map_size(cmap: torch.Tensor) -> int:
     """Number of compressed ids (ids are dense, 0..size-1)."""
     return int(cmap.max()) + 1
@@ -192,7 +202,7 @@ def engram_hash(
     primes, offsets = primes.to(dev), offsets.to(dev)
 
     pad = cmap[pad_id]
-    tok = cmap[input_ids.long()]  # [b, s]
+    tok = compress_ids(input_ids.long(), cmap)  # [b, s]
     dead = torch.zeros_like(tok, dtype=torch.bool) if image_mask is None else image_mask.to(dev, torch.bool)
     # Left-pad n-1 positions that count as dead: "before the start" blocks history like an image token.
     tok = torch.cat([tok.new_full((b, n - 1), 0), tok], 1)  # [b, s+n-1]

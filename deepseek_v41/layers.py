@@ -58,6 +58,35 @@ def make_linear(in_features: int, out_features: int, backend: dict, bias: bool =
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 
+def is_plain_linear(module: nn.Module) -> bool:
+    """True for an unwrapped ``nn.Linear`` / TE ``Linear``: the fast paths (the grouped wo_a GEMM, the bf16x3
+    head) may then read its ``weight``.  Anything else (a PEFT LoRA layer, a replaced module) is called as a
+    module, so whatever it adds to the product is applied."""
+    if type(module) is nn.Linear:
+        return module.bias is None  # the fast paths have no bias term
+    return te is not None and type(module) is te.Linear
+
+
+class FrozenLinear(nn.Module):
+    """y = x · Wᵀ for a projection that never trains: the indexer's (hard top-k, no LM gradient;
+    architecture.md §5.5).  Deliberately not an ``nn.Linear``: PEFT's ``target_modules="all-linear"`` leaves
+    it out (an adapter there would never get a gradient), and naming it explicitly fails in PEFT with this
+    module's description, which says what to do."""
+
+    def __init__(self, in_features: int, out_features: int, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}: the frozen indexer's "
+                "projection, which no adapter can train; leave it out with exclude_modules=r'.*\\.indexer\\..*' "
+                "or a target_modules regex")
+
+
 def compiled_on_cuda(fn, **compile_options):
     """``fn`` through ``torch.compile(fullgraph=True)`` when its first argument is a CUDA tensor (compiled on
     first use), eager otherwise: elementwise chains that are one fused kernel on the GPU, plain ops on CPU.

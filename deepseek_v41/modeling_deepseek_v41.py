@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,11 +24,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .attention import Attention, CSA2State
-from .backends import check_available, resolve_backend
+from .backends import check_available
 from .cache_deepseek_v41 import DeepseekV41Cache
 from .configuration_deepseek_v41 import DeepseekV41Config
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
-from .layers import RMSNorm, make_head_loss, make_head_matmul, make_rms_norm
+from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
 from .moe import MoE, RoutedExperts, Router
 
@@ -106,7 +107,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.text_config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding, FrozenLinear)):
             init.normal_(module.weight, std=std)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
@@ -131,9 +132,11 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             for name in ("image_start", "image_end", "image_newline"):
                 init.normal_(getattr(module, name), std=std)
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **options):
         """Per-block activation checkpointing, always non-reentrant: the CSA2 state that Full layers publish to
-        later layers must stay on the autograd graph (reentrant checkpointing would cut the compressor off)."""
+        later layers must stay on the autograd graph (reentrant checkpointing would cut the compressor off).
+        ``options`` are transformers' (``every_n_layers``, ``offload``); ``activation_checkpointing_enable``
+        (what the Trainer calls) comes here too."""
         kwargs = dict(gradient_checkpointing_kwargs or {})
         if kwargs.get("use_reentrant"):
             raise ValueError(
@@ -141,7 +144,29 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
                 "state; use the default non-reentrant checkpointing"
             )
         kwargs["use_reentrant"] = False
-        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if hasattr(PreTrainedModel, "_activation_checkpointing_enable"):  # transformers >= 5.2x
+            self._activation_checkpointing_enable(kwargs, **options)
+        else:
+            super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **options)
+
+    def get_output_embeddings(self):
+        return getattr(self, "head", None)
+
+    def set_output_embeddings(self, new_embeddings):
+        self.head = new_embeddings
+
+    def _apply(self, fn, recurse=True):
+        # A cast to bf16 / fp16 (model.to(dtype), .half(), .bfloat16(), also through a wrapper such as PEFT's, whose
+        # cast reaches this model here) leaves the fp32 islands fp32, as loading with dtype= does: they only follow
+        # the cast's device.  An empty probe tells a cast from other tensor functions (moves, to_empty, ...).
+        if fn(torch.empty(0)).dtype not in (torch.bfloat16, torch.float16):
+            return super()._apply(fn, recurse)
+        islands = {id(t) for t in fp32_island_tensors(self)}
+
+        def cast(t):
+            return t.to(device=fn(t.new_empty(0)).device) if id(t) in islands else fn(t)
+
+        return super()._apply(cast, recurse)
 
     def to_empty(self, *, device, recurse: bool = True):
         # Non-persistent derived buffers (Engram hash constants) are garbage after to_empty: restore them.
@@ -154,13 +179,21 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(
         cls, pretrained_model_name_or_path=None, *model_args, config=None, dtype="auto", backend=None, tokenizer=None,
-        device="cpu", revision=None, dequantize_base_checkpoint=None, **kwargs,
+        device=None, device_map=None, max_memory=None, revision=None, cache_dir=None, local_files_only=False,
+        token=None, force_download=False, subfolder="", use_safetensors=None, low_cpu_mem_usage=None,
+        dequantize_base_checkpoint=None, adapter_kwargs=None, **kwargs,
     ):
         """Load a released-format (FP8/FP4, dequantized here) or floating-point checkpoint.
 
-        Builds the model on the meta device, materializes it on ``device`` and streams the shards straight
-        into the parameters.  ``backend={"rms_norm": "torch", ...}`` overrides kernel backends; ``tokenizer``
-        supplies Engram's tokenizer (default: the checkpoint folder's); ``dtype`` defaults to the config's.
+        Builds the model on the meta device, materializes it on ``device`` / ``device_map`` and streams the
+        shards straight into the parameters (always: ``low_cpu_mem_usage`` is accepted and changes nothing).
+        ``backend={"rms_norm": "torch", ...}`` overrides kernel backends (merged with the config's);
+        ``tokenizer`` supplies Engram's tokenizer (default: the checkpoint folder's); ``dtype`` defaults to the
+        config's.  ``device_map``: a device (``"cpu"``, ``"cuda:0"``, 0), ``"auto"`` / ``"balanced"`` /
+        ``"sequential"`` (accelerate's planner, whole blocks per device, ``max_memory`` honoured) or a dict
+        {module name: device} covering the model without splitting a block; blocks on several devices run one
+        after the other (pipelined inference, no overlap).  A Hub repo id is downloaded with ``revision``,
+        ``cache_dir``, ``local_files_only``, ``token``, ``force_download``.
         """
         from .checkpoint import load_checkpoint_into_model
 
@@ -169,31 +202,47 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
                 "quantization_config= is not supported: the released FP8/FP4 weights are dequantized while loading "
                 "(dequantize_base_checkpoint=True) and the model computes in bf16/fp32"
             )
-        for unsupported in ("tp_plan", "tp_size", "device_mesh", "pp_plan", "distributed_config"):
+        for unsupported in ("tp_plan", "tp_size", "device_mesh", "pp_plan", "distributed_config", "proxies",
+                            "offload_folder", "offload_state_dict"):
             if kwargs.get(unsupported) is not None:
                 raise NotImplementedError(
                     f"{unsupported}= is not supported: deepseek_v41 trains with FSDP2 + expert parallelism "
-                    "(examples/finetune.py); tensor/pipeline/context parallelism are out of scope"
+                    "(examples/finetune.py); tensor/pipeline/context parallelism, weight offloading and per-call "
+                    "proxies (set HTTPS_PROXY) are out of scope"
                 )
+            kwargs.pop(unsupported, None)
+        if use_safetensors is False:
+            raise ValueError("use_safetensors=False: deepseek_v41 checkpoints are read from safetensors files only")
+        if device is not None and device_map is not None:
+            raise ValueError(f"give device={device!r} or device_map={device_map!r}, not both")
         dtype = kwargs.pop("torch_dtype", dtype)
-        for ignored in ("trust_remote_code", "local_files_only", "cache_dir", "_from_auto", "_from_pipeline",
-                        "code_revision", "adapter_kwargs", "low_cpu_mem_usage", "use_safetensors"):
-            kwargs.pop(ignored, None)
-        path = resolve_checkpoint_dir(pretrained_model_name_or_path, revision)
+        for auto_class_only in ("trust_remote_code", "_from_auto", "_from_pipeline", "code_revision"):
+            kwargs.pop(auto_class_only, None)
+        path = resolve_checkpoint_dir(
+            pretrained_model_name_or_path, revision, cache_dir=cache_dir, local_files_only=local_files_only,
+            token=token, force_download=force_download,
+        )
+        path = path / subfolder if subfolder else path
         if config is None:
             config, kwargs = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
         if kwargs:
-            raise TypeError(f"from_pretrained got unexpected keyword arguments {sorted(kwargs)}")
+            raise TypeError(
+                f"from_pretrained got unexpected keyword arguments {sorted(kwargs)}: they are neither loading options "
+                "(dtype, device, device_map, max_memory, backend, tokenizer, revision, cache_dir, local_files_only, "
+                "token, force_download, subfolder, use_safetensors, low_cpu_mem_usage, dequantize_base_checkpoint) "
+                "nor config fields"
+            )
         config._name_or_path = str(path)
         config._commit_hash = revision_of(path) or getattr(config, "_commit_hash", None)
         if backend:
-            config.backend = resolve_backend({**config.backend, **backend})
+            config.backend = {**config.backend, **backend}
         if dequantize_base_checkpoint is not None:
             config.dequantize_base_checkpoint = dequantize_base_checkpoint
         dtype = resolve_dtype(dtype, config)
         with torch.device("meta"), default_dtype(dtype):
             model = cls(config, *model_args, tokenizer=tokenizer)
-        model.to_empty(device=device)
+        placement = resolve_device_map(model, device if device_map is None else device_map, dtype, max_memory)
+        materialize(model, placement)
         # The backbone (AutoModel) loads a causal-LM checkpoint without its head; nothing else may be left over.
         report = load_checkpoint_into_model(
             model, path, strict=cls._with_head, dequantize_base_checkpoint=config.dequantize_base_checkpoint
@@ -201,8 +250,13 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         leftover = sorted(set(report.unexpected) - {"head.weight"}) + sorted(report.missing)
         if leftover:
             raise ValueError(f"checkpoint {path} does not match {cls.__name__}: missing/unexpected {leftover[:10]}")
+        if device_map is not None:  # transformers' record of the placement (Trainer reads it)
+            model.hf_device_map = {name: str(dev) for name, dev in placement.items()}
         if (path / "generation_config.json").is_file():  # else the defaults built from the config's bos / eos / pad
             model.generation_config = GenerationConfig.from_pretrained(path)
+        if (adapter_kwargs or {}).get("_adapter_model_path"):  # the Auto classes found a PEFT adapter folder
+            adapter_kwargs = dict(adapter_kwargs)
+            model.load_adapter(adapter_kwargs.pop("_adapter_model_path"), **adapter_kwargs)
         model.eval()
         return model
 
@@ -303,16 +357,27 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         for module in self.modules():  # hard top-k: the indexer gets no LM gradient, so it is frozen
             if hasattr(module, "indexer"):
                 module.indexer.requires_grad_(False)
+            if isinstance(module, RoutedExperts):  # load_state_dict also takes the released per-expert names
+                module.register_load_state_dict_pre_hook(stack_released_experts)
 
     def forward(
         self, input_ids=None, attention_mask=None, position_ids=None, pixel_values=None, image_grid_hws=None,
         vision_token_types=None, engram_hash_ids=None, use_cache=None, past_key_values=None, inputs_embeds=None,
-        cache=None, **kwargs,
+        cache=None, output_hidden_states=None, output_attentions=None, return_dict=None, **kwargs,
     ) -> BaseModelOutputWithPast:
         # input_ids [b, s] (right or left padded) -> last_hidden_state [b, s, dim]; use_cache=True (or a cache
-        # given as past_key_values= / cache=) returns the DeepseekV41Cache that decodes the next tokens
+        # given as past_key_values= / cache=) returns the DeepseekV41Cache that decodes the next tokens.  With
+        # output_hidden_states also hidden_states: the embeddings, then after each block but the last its streams
+        # collapsed with the pre-mix the next block's attention uses (its input before the norm), then
+        # last_hidden_state: n_layers + 1 x [b, s, dim]
+        if output_attentions:
+            raise NotImplementedError(
+                "output_attentions=True: CSA2 sparse attention never forms a dense attention matrix (each query "
+                "attends to its sliding window and top-k compressed entries); call with output_attentions=False"
+            )
         cache = past_key_values if cache is None else cache  # transformers >= 5.2x calls it `cache`
         validate_inputs(self, input_ids, attention_mask, position_ids, use_cache, cache, inputs_embeds, kwargs)
+        input_ids = input_ids.to(self.embed.weight.device)
         if cache is not None and cache.get_seq_length() > 0:
             if pixel_values is not None or (vision_token_types is not None and (vision_token_types >= 0).any()):
                 raise ValueError("images go in the prompt (the first forward of a cache); decode steps are text")
@@ -341,15 +406,29 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre = torch.zeros(b, s, self.hc, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1.0  # block 0 collapses with a one-hot pre-mix on stream 0
         state = CSA2State(cache, lengths if cache is not None else None)
+        hidden_states = [h] if output_hidden_states else None
         for layer in self.layers:
             hash_ids = engram_hash_ids_for(engram_hash_ids, layer, self.config.text_config)
+            if layer.hc_attn_fn.device != x.device:  # device_map spread the blocks over devices
+                device = layer.hc_attn_fn.device
+                x, pre, input_ids, image_mask, hash_ids = (
+                    None if t is None else t.to(device) for t in (x, pre, input_ids, image_mask, hash_ids)
+                )
+                state.to(device)
             x, pre = layer(x, pre, state, input_ids=input_ids, image_mask=image_mask, engram_hash_ids=hash_ids)
-        hidden = self.norm(self.hc_collapse(x, pre))
+            if output_hidden_states and layer is not self.layers[-1]:
+                hidden_states.append(self.hc_collapse(x, pre))
+        device = self.norm.weight.device
+        hidden = self.norm(self.hc_collapse(x.to(device), pre.to(device)))
         if cache is not None:
             cache.finish_prefill(input_ids, image_mask, lengths, s)
-        if shift is not None:
-            hidden = roll_rows(hidden, -shift)  # back to the input's columns
-        return with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden)
+        if hidden_states is not None:
+            hidden_states = (*hidden_states, hidden)
+        if shift is not None:  # back to the input's columns
+            hidden = roll_rows(hidden, -shift)
+            hidden_states = None if hidden_states is None else tuple(roll_rows(t, -shift) for t in hidden_states)
+        output = with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden, hidden_states=hidden_states)
+        return output.to_tuple() if return_dict is False else output
 
     def decode(self, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
         """input_ids [b, n] text tokens after the cached ones -> hidden [b, n, dim], one column at a time."""
@@ -393,15 +472,28 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return merge_image_embeddings(h, vision_token_types, aligned, self.image_start, self.image_end, self.image_newline)
 
 
+@dataclass
+class DeepseekV41CausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus the head's input: the causal LM is its own backbone (``model.base_model`` is
+    the model), so tools that run the backbone and apply the head themselves (TRL's chunked LM head) read it here."""
+
+    last_hidden_state: torch.Tensor | None = None
+
+
 class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     """Backbone + fp32 head: logits are fp32 and never rounded to bf16.  ``generate()`` decodes with a
     ``DeepseekV41Cache`` (greedy, sampling, beam search; left-padded batches)."""
 
     _with_head = True
 
-    def forward(self, input_ids=None, labels=None, attention_mask=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
-        # -> logits fp32 [b, s, vocab] (the last logits_to_keep positions when > 0); loss = shifted causal CE
-        # over labels != -100 (mean over counted tokens)
+    def forward(
+        self, input_ids=None, labels=None, attention_mask=None, logits_to_keep=0, num_items_in_batch=None,
+        return_dict=None, **kwargs,
+    ) -> DeepseekV41CausalLMOutput:
+        # -> logits fp32 [b, s, vocab] (the last logits_to_keep positions when > 0 and no labels); loss = shifted
+        # causal CE over labels != -100: the mean over the counted tokens, or with num_items_in_batch (the
+        # Trainer's count over all gradient-accumulation micro-batches) the sum divided by it, so that the
+        # accumulated gradient is the mean over the whole batch
         if labels is not None and (input_ids is None or labels.shape != input_ids.shape):
             raise ValueError(
                 f"labels have shape {tuple(labels.shape)} but input_ids have "
@@ -409,22 +501,37 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             )
         if labels is not None:
             check_targets(labels, self.config.text_config.vocab_size)  # a host sync, like the attention-mask check
-        out = super().forward(input_ids, attention_mask=attention_mask, **kwargs)
-        hidden, cache = out.last_hidden_state, returned_cache(out)
+        backbone = super().forward(input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = backbone.last_hidden_state.to(self.head.weight.device)
+        loss = None
         if labels is None:
-            if logits_to_keep:
-                hidden = hidden[:, -logits_to_keep:]
-            return with_cache(CausalLMOutputWithPast, cache, logits=self.head_matmul(hidden, self.head.weight))
-        targets = causal_lm_targets(labels, attention_mask)
-        if self.head_loss is not None:  # bf16x3: the loss fused into the head's backward
-            logits, total = self.head_loss(hidden, self.head.weight, targets)
+            logits = self.head_logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         else:
-            logits = self.head_matmul(hidden, self.head.weight)
-            flat = logits.view(-1, logits.shape[-1])
-            total = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        return with_cache(
-            CausalLMOutputWithPast, cache, loss=total / (targets != IGNORE_INDEX).sum().clamp(min=1), logits=logits
+            mask = None if attention_mask is None else attention_mask.to(hidden.device)
+            targets = causal_lm_targets(labels.to(hidden.device), mask)
+            if self.head_loss is not None and is_plain_linear(self.head):  # bf16x3: the loss fused into the backward
+                logits, total = self.head_loss(hidden, self.head.weight, targets)
+            else:
+                logits = self.head_logits(hidden)
+                flat = logits.view(-1, logits.shape[-1])
+                total = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+            if num_items_in_batch is None:
+                loss = total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+            else:
+                loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
+        output = with_cache(  # logits fp32 [b, s, vocab]
+            DeepseekV41CausalLMOutput, returned_cache(backbone), loss=loss, logits=logits,
+            hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state,
         )
+        return output.to_tuple() if return_dict is False else output
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [b, s, dim] -> fp32 logits [b, s, vocab]: the head kernel on a plain head; a wrapped or replaced
+        # head (PEFT LoRA, ...) is called as a module, so what it adds is applied
+        if is_plain_linear(self.head):
+            return self.head_matmul(hidden, self.head.weight)
+        return self.head(hidden.float()).float()
+
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -450,6 +557,22 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             kwargs.pop(key, None)  # generate's own bookkeeping: the cache tells which columns are new
         inputs.update(kwargs)
         return {key: value for key, value in inputs.items() if value is not None}
+
+
+def stack_released_experts(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook of ``RoutedExperts``: released per-expert tensors (``{prefix}{e}.w1.weight``,
+    what ``save_pretrained`` writes and the Trainer reloads on resume, possibly one shard at a time) are copied
+    into their rows of the stacked ``w1`` / ``w2`` / ``w3``, which then stand in the state dict as loaded."""
+    from .checkpoint import released_to_model_name
+
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        name, expert = released_to_model_name(key)
+        if expert is None:
+            continue
+        stacked = getattr(module, name.removeprefix(prefix))
+        with torch.no_grad():
+            stacked[expert].copy_(state_dict.pop(key))
+        state_dict[name] = stacked
 
 
 def causal_lm_targets(labels: torch.Tensor, attention_mask=None) -> torch.Tensor:
@@ -614,8 +737,9 @@ def engram_hash_ids_for(engram_hash_ids, layer: DeepseekV41Block, text_config):
     return engram_hash_ids[:, :, text_config.engram_layer_ids.index(layer.layer)]
 
 
-def resolve_checkpoint_dir(name_or_path, revision=None) -> Path:
-    """A local folder as is; anything else is a Hub repo id downloaded (once, cached) at ``revision``.
+def resolve_checkpoint_dir(name_or_path, revision=None, **hub_options) -> Path:
+    """A local folder as is; anything else is a Hub repo id downloaded (once, cached) at ``revision`` with
+    ``hub_options`` (cache_dir, local_files_only, token, force_download) passed to ``snapshot_download``.
     ``None`` means the shared local snapshot named by ``DS41_CHECKPOINT``."""
     if name_or_path is None:
         name_or_path = os.environ.get("DS41_CHECKPOINT")
@@ -628,7 +752,102 @@ def resolve_checkpoint_dir(name_or_path, revision=None) -> Path:
         raise FileNotFoundError(f"checkpoint folder {name_or_path} does not exist or is not a folder")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(name_or_path), revision=revision))
+    return Path(snapshot_download(str(name_or_path), revision=revision, **hub_options))
+
+
+ACCELERATE_PLANS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def resolve_device_map(model, device_map, dtype, max_memory=None) -> dict:
+    """{module or tensor name: torch.device} covering every parameter and buffer of the meta-device ``model``
+    exactly once, without splitting a ``_no_split_modules`` block (CSA2 state and mHC streams pass between
+    blocks, not inside one)."""
+    if device_map is None:
+        return {"": torch.device("cpu")}
+    if isinstance(device_map, (str, int, torch.device)) and device_map not in ACCELERATE_PLANS:
+        return {"": as_device(device_map)}
+    if isinstance(device_map, str):
+        device_map = plan_device_map(model, device_map, dtype, max_memory)
+    if not isinstance(device_map, dict):
+        raise TypeError(f"device_map must be a device, one of {ACCELERATE_PLANS} or a dict; got {device_map!r}")
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    modules = dict(model.named_modules())
+    no_split = {n for n, m in modules.items() if type(m).__name__ in model._no_split_modules}
+    placement = {}
+    for key, device in device_map.items():
+        if key not in modules and key not in names:
+            raise ValueError(f"device_map key {key!r} names no module or parameter of {type(model).__name__}")
+        inside = [b for b in no_split if key.startswith(b + ".")]
+        if inside:
+            raise ValueError(
+                f"device_map key {key!r} splits block {inside[0]!r} ({type(modules[inside[0]]).__name__} is in "
+                f"_no_split_modules): place the whole block on one device"
+            )
+        placement[key] = as_device(device)
+    uncovered = [n for n in names if placement_of(n, placement) is None]
+    if uncovered:
+        raise ValueError(f"device_map places no device for {uncovered[:5]}{' ...' if len(uncovered) > 5 else ''}; "
+                         "add their modules (or \"\" for everything else)")
+    return placement
+
+
+def plan_device_map(model, plan: str, dtype, max_memory=None) -> dict:
+    # accelerate's planner over the meta-device model, whole blocks per device, fp32 islands counted as fp32
+    from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
+
+    no_split = list(model._no_split_modules)
+    special = {name: torch.float32 for name, t in model.named_parameters() if t.dtype == torch.float32}
+    if plan == "sequential":
+        max_memory = get_max_memory(max_memory)
+    else:
+        max_memory = get_balanced_memory(
+            model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special,
+            low_zero=plan == "balanced_low_0",
+        )
+    device_map = infer_auto_device_map(
+        model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special
+    )
+    offloaded = sorted(k for k, v in device_map.items() if v in ("disk", "meta"))
+    if offloaded:
+        raise NotImplementedError(
+            f"device_map={plan!r} would offload {offloaded[:5]} to disk: weight offloading is not supported; "
+            "give max_memory with more room or use more GPUs"
+        )
+    return device_map
+
+
+def as_device(device) -> torch.device:
+    if str(device) in ("meta", "disk"):
+        raise ValueError(f"device {device!r} is not supported in device_map: weight offloading is out of scope")
+    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+
+
+def placement_of(name: str, placement: dict):
+    # the device of the longest key that is ``name`` or one of its module prefixes ("" covers everything)
+    best = None
+    for key, device in placement.items():
+        if (key == "" or name == key or name.startswith(key + ".")) and (best is None or len(key) > len(best[0])):
+            best = (key, device)
+    return None if best is None else best[1]
+
+
+def materialize(model, placement: dict) -> None:
+    """Allocate the meta-device ``model``'s parameters and buffers on their ``placement`` devices (uninitialized,
+    like ``to_empty``) and restore the derived buffers."""
+    if set(placement) == {""}:
+        model.to_empty(device=placement[""])
+        return
+    for module_name, module in model.named_modules():
+        prefix = module_name + "." if module_name else ""
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                empty = torch.empty_like(tensor, device=placement_of(prefix + name, placement))
+                table[name] = nn.Parameter(empty, tensor.requires_grad) if table is module._parameters else empty
+    for module in model.modules():
+        if isinstance(module, Engram):
+            module.restore_derived_buffers()
 
 
 def revision_of(path: Path):
@@ -644,6 +863,21 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     return dtype
+
+
+def fp32_island_tensors(model) -> list[torch.Tensor]:
+    """The parameters and buffers (and their gradients) that stay fp32 whatever the model dtype: those named in
+    ``_keep_in_fp32_modules_strict`` (also inside a PEFT wrapper, e.g. ``head.lora_A``) and the ratio-2
+    compressors' ``wkv`` / ``wgate`` (built in fp32; architecture.md §5)."""
+    from .attention import Compressor
+
+    patterns = [f".{name}." for name in model._keep_in_fp32_modules_strict]
+    named = [*model.named_parameters(), *model.named_buffers()]
+    tensors = [t for name, t in named if any(p in f".{name}." for p in patterns)]
+    for module in model.modules():
+        if isinstance(module, Compressor) and module.ratio == 2:
+            tensors += [*module.wkv.parameters(), *module.wgate.parameters()]
+    return tensors + [t.grad for t in tensors if t.grad is not None]
 
 
 @contextlib.contextmanager

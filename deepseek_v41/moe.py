@@ -143,6 +143,19 @@ class Router(nn.Module):
         return weights * self.route_scale, experts
 
 
+@torch.compiler.disable  # eager inside a compiled model: traced, each new split of rows would be a recompile
+def expert_loop(x, counts, weights, w1, w3, w2, limit: float) -> torch.Tensor:
+    """``experts: torch``: one SwiGLU per expert over its rows of x [m, dim] (sorted by expert, ``counts`` [E]
+    rows each, routing weights fp32 [m]) -> [m, dim]."""
+    outputs, start = [], 0
+    for e, count in enumerate(counts.tolist()):
+        rows = x[start : start + count]
+        h = weighted_swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e]), weights[start : start + count], limit)
+        outputs.append(F.linear(h, w2[e]))
+        start += count
+    return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+
 class RoutedExperts(nn.Module):
     """Stacked SwiGLU experts.  ``experts: torch_mm`` runs grouped GEMMs, ``torch`` a per-expert loop.
 
@@ -163,8 +176,10 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, inter))
 
     def grouped_forward(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # x [m, dim] sorted by local expert, counts [E_local], weights fp32 [m] -> [m, dim] in x.dtype
-        if self.grouped:
+        # x [m, dim] sorted by local expert, counts [E_local], weights fp32 [m] -> [m, dim] in x.dtype.
+        # torch.compile traces _grouped_mm only in bf16 (its meta kernel refuses other dtypes): other dtypes take
+        # the per-expert loop there, as eager code
+        if self.grouped and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()):
             inter, dim = self.w1.shape[1], self.w1.shape[2]
             if (inter * x.element_size()) % 16 or (dim * x.element_size()) % 16:
                 raise ValueError(
@@ -177,18 +192,7 @@ class RoutedExperts(nn.Module):
             up = torch._grouped_mm(x, self.w3.to(x.dtype).transpose(-2, -1), offs=offs)
             h = fused_weighted_swiglu(gate, up, weights, self.limit)
             return torch._grouped_mm(h, self.w2.to(x.dtype).transpose(-2, -1), offs=offs)
-        outputs, start = [], 0
-        for e, count in enumerate(counts.tolist()):
-            rows = x[start : start + count]
-            h = weighted_swiglu(
-                F.linear(rows, self.w1[e]),
-                F.linear(rows, self.w3[e]),
-                weights[start : start + count],
-                self.limit,
-            )
-            outputs.append(F.linear(h, self.w2[e]))
-            start += count
-        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+        return expert_loop(x, counts, weights, self.w1, self.w3, self.w2, self.limit)
 
     def forward(self, x, expert_ids, weights, shared=None) -> torch.Tensor:
         # x [n, dim], expert_ids [n, k] (global ids), weights fp32 [n, k] -> fp32 [n, dim] (sum over k); with
