@@ -48,7 +48,7 @@ _INSTALL_HINT = {
     "tile_kernels": "pip install 'deepseek_v41[gpu]'",
     "triton": "install a CUDA build of PyTorch, which brings triton",
     "transformer_engine": "pip install transformer-engine[pytorch]",
-    "deep_ep": "install DeepEP's hybrid-ep branch (HybridEP)",
+    "deep_ep": "build DeepEP's hybrid-ep branch (HybridEP), docs/install.md",
 }
 
 

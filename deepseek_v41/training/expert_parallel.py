@@ -15,13 +15,12 @@ The ``torch`` dispatcher follows the Megatron "alltoall" pattern, all differenti
 6. sum the ``k`` copies of each token in fp32 (``combine_top_k``, as the local path does).
 """
 
-import importlib.util
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..moe import combine_top_k, dispatch_top_k, inverse_permutation
+from .hybridep import HybridEPDispatcher
 
 
 class _AllToAll(torch.autograd.Function):
@@ -81,19 +80,11 @@ class AllToAllDispatcher:
 
 
 def make_dispatcher(name: str, group):
-    """``torch``: the all-to-all above.  ``hybridep``: DeepEP's hybrid-ep buffer (GPU, NVLink domain)."""
+    """``torch``: the all-to-all above.  ``hybridep``: DeepEP's HybridEP buffer (hybridep.py; GPU, NVLink domain)."""
     if name == "torch":
         return AllToAllDispatcher(group)
     if name == "hybridep":
-        if importlib.util.find_spec("deep_ep") is None:
-            raise RuntimeError(
-                "dispatcher 'hybridep' needs DeepEP's hybrid-ep branch (the `deep_ep` package with HybridEPBuffer), "
-                "which is not installed; install it, or use --model.config.backend.dispatcher=torch"
-            )
-        raise NotImplementedError(
-            "dispatcher 'hybridep' is not wired to deep_ep's HybridEPBuffer in this version; "
-            "use --model.config.backend.dispatcher=torch (all-to-all, same semantics)"
-        )
+        return HybridEPDispatcher(group)
     raise ValueError(f"unknown expert dispatcher {name!r}; use torch or hybridep")
 
 
