@@ -31,9 +31,9 @@ _REGISTRY = {
         "te": (("transformer_engine",), True),
     },
     "experts": {"torch_mm": ((), False), "torch": ((), False)},
-    # "local": every expert on this process. "torch": expert parallelism (all-to-all), installed by the
-    # training code (deepseek_v41.training) after the process group exists.
-    "dispatcher": {"local": ((), False), "torch": ((), False)},
+    # "local": every expert on this process. "torch" (all-to-all) / "hybridep" (DeepEP's HybridEP): expert
+    # parallelism, installed by the training code (deepseek_v41.training) after the process group exists.
+    "dispatcher": {"local": ((), False), "torch": ((), False), "hybridep": (("deep_ep",), True)},
     # the fp32 head GEMM: "fp32" IEEE, or "bf16x3" (fp32 emulated on bf16 tensor cores; layers.head_bf16x3)
     "head": {"fp32": ((), False), "bf16x3": ((), False)},
     # mHC mixing: eager fp32 ops, or tile-kernels' fused kernels (bf16 streams; mhc_tile_kernels.py)
@@ -48,6 +48,7 @@ _INSTALL_HINT = {
     "tile_kernels": "pip install 'deepseek_v41[gpu]'",
     "triton": "install a CUDA build of PyTorch, which brings triton",
     "transformer_engine": "pip install transformer-engine[pytorch]",
+    "deep_ep": "build DeepEP's hybrid-ep branch (HybridEP), docs/install.md",
 }
 
 

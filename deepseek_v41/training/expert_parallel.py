@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..moe import combine_top_k, dispatch_top_k, inverse_permutation
+from .hybridep import HybridEPDispatcher
 
 
 class _AllToAll(torch.autograd.Function):
@@ -79,10 +80,12 @@ class AllToAllDispatcher:
 
 
 def make_dispatcher(name: str, group):
-    """The expert-parallel token exchange for ``model.config.backend.dispatcher``: ``torch`` (all-to-all above)."""
+    """``torch``: the all-to-all above.  ``hybridep``: DeepEP's HybridEP buffer (hybridep.py; GPU, NVLink domain)."""
     if name == "torch":
         return AllToAllDispatcher(group)
-    raise ValueError(f"unknown expert dispatcher {name!r}; use torch")
+    if name == "hybridep":
+        return HybridEPDispatcher(group)
+    raise ValueError(f"unknown expert dispatcher {name!r}; use torch or hybridep")
 
 
 def routed_expert_modules(model: nn.Module) -> list:
