@@ -17,7 +17,7 @@ def test_tilelang_prefill_then_cached_decode_matches_full_forwards(v4_tokenizer)
     from conftest import tiny_model
 
     from deepseek_v41.modeling_deepseek_v41 import returned_cache
-from deepseek_v41.parity import logits_metrics
+    from deepseek_v41.parity import logits_metrics
 
     heads = {"head_dim": 512, "qk_rope_head_dim": 64, "index_n_heads": 32, "index_head_dim": 128}
     model = tiny_model(v4_tokenizer, dtype=torch.bfloat16, text=heads, backend={"attn": "tilelang"}).cuda().eval()
