@@ -31,4 +31,7 @@ def test_tilelang_prefill_then_cached_decode_matches_full_forwards(v4_tokenizer)
     full = model(ids[:, :-1]).logits[:, prompt - 1 :]
     metrics = logits_metrics(full, cached)
     print(f"GPU decode vs full forward: {metrics}")
-    assert metrics["top1"] == 1.0 and metrics["mean_kl"] <= 1e-3
+    # The bf16 KL gates.  Top-1 is not gated here: this random tiny model's logits are nearly flat (on the
+    # H200 only 1 of 80 positions led by more than twice the largest logit difference between the two
+    # attention paths), so argmax flips on rounding; tests/test_generation.py gates top-1 on the golden model.
+    assert metrics["mean_kl"] <= 1e-3 and metrics["max_kl"] <= 1e-3
