@@ -368,7 +368,7 @@ def _write_shards(shards: list[list[_Item]], staging: Path, label: str) -> tuple
             if failure is None:
                 try:
                     write_safetensors(staging / file, entries)
-                    _fsync(staging / file)
+                    fsync_path(staging / file)
                     weight_map.update(dict.fromkeys(entries, file))
                     continue
                 except Exception as exc:  # noqa: BLE001 (any write error: re-raised after the drain)
@@ -392,8 +392,8 @@ def _finish(staging: Path, out_dir: Path, weight_map: dict, total: int, config: 
     written = sorted(p.name for p in staging.iterdir())
     (staging / EXPORT_MARKER).write_text(json.dumps({"written_by": "deepseek_v41", "files": written}, indent=1) + "\n")
     for name in (INDEX_FILE, CONFIG_FILE, EXPORT_MARKER):
-        _fsync(staging / name)
-    _fsync(staging)
+        fsync_path(staging / name)
+    fsync_path(staging)
     _swap_into_place(staging, out_dir)
 
 
@@ -402,7 +402,8 @@ def _finish(staging: Path, out_dir: Path, weight_map: dict, total: int, config: 
 # ----------------------------------------------------------------------------------------------------
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes the renames and new entries in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -530,4 +531,4 @@ def _swap_into_place(staging: Path, out_dir: Path) -> None:
         os.rename(out_dir, aside)
         os.rename(staging, out_dir)
         shutil.rmtree(aside)
-    _fsync(out_dir.parent)
+    fsync_path(out_dir.parent)

@@ -48,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from deepseek_v41.hf_export import fsync_path
 from deepseek_v41.training.engram_owner import engram_modules
 from deepseek_v41.training.expert_parallel import routed_expert_modules
 from deepseek_v41.training.optim import RemainderAdamW, _local
@@ -307,14 +308,6 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---- save ----------------------------------------------------------------------------------------
 
 
@@ -369,8 +362,8 @@ class Checkpointer:
         """Rank 0, after every rank's files are written: meta.json, fsync, atomic rename, prune."""
         meta["files"] = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         _write_synced(tmp / META, json.dumps(meta, indent=1) + "\n")
-        _fsync_dir(tmp / "rng")
-        _fsync_dir(tmp)
+        fsync_path(tmp / "rng")
+        fsync_path(tmp)
         if final.exists():  # saved again at this step (a rerun): move the old one aside first, never lose both
             old = final.with_name(final.name + ".replaced")
             shutil.rmtree(old, ignore_errors=True)
@@ -379,7 +372,7 @@ class Checkpointer:
             shutil.rmtree(old)
         else:
             tmp.rename(final)
-        _fsync_dir(final.parent)
+        fsync_path(final.parent)
         print(f"[finetune] step {meta['step']}: checkpoint saved to {final}", flush=True)
         self.prune(keep={final, self.trainer.resume_dir})
 
