@@ -14,7 +14,7 @@ One path for ``save_pretrained``, the trainer's export (``training/export.py``) 
   process ever holds more than one block (plus a quantized tensor's scales) beyond the model.
 * why not ``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter``: it writes every rank's local
   shards to ``<dir>/sharded`` and consolidates them afterwards (twice the disk, a second full pass), it needs
-  every tensor as a DTensor with offsets (our EP experts and Engram row blocks are plain local tensors), and
+  every tensor as a DTensor with global offsets (our EP expert blocks and Engram row blocks have none), and
   it neither splits stacked experts into released names nor re-encodes 32x32 FP8 blocks that straddle
   FSDP shard boundaries. The reduce-per-block writer here does all three in one pass.
 * folder safety: everything is written into a new hidden sibling folder; it then takes the destination's

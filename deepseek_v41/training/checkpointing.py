@@ -4,8 +4,10 @@ Every tensor is saved with its *global* placement, so DCP records each rank's ch
 a checkpoint saved at one layout (world size, EP size, Engram owners) loads at another:
 
 * FSDP2 parameters are ``DTensor`` s already;
-* routed experts ``[E_local, ...]`` (``expert_parallel.shard_experts``) become ``DTensor`` views on the
-  ``("ep_shard", "ep")`` mesh, ``[Replicate(), Shard(0)]``, global shape ``[E, ...]``;
+* routed experts (``[E_local, ...]`` per EP rank, ``[E_local / ep_shard, ...]`` at rest when FSDP2 shards the
+  block over ``ep_shard``) become ``DTensor`` views on the ``("ep", "ep_shard")`` mesh
+  (``expert_parallel.global_expert_view``), ``[Shard(0), Shard(0)]``, global shape ``[E, ...]``: the same
+  global tensor at every EP size and ``ep_shard``;
 * an Engram table's row block (``engram_owner.shard_engram_table``: ``ceil(rows / W)`` rows, zero-padded on
   the last owner) becomes a ``Shard(0)`` view of its unpadded rows, global shape ``[rows, dim]`` (DTensor's
   chunking is the same ceil split);
@@ -46,11 +48,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from deepseek_v41.hf_export import fsync_path
 from deepseek_v41.training.engram_owner import engram_modules
-from deepseek_v41.training.expert_parallel import routed_expert_modules
+from deepseek_v41.training.expert_parallel import global_expert_view, routed_expert_modules
 from deepseek_v41.training.optim import RemainderAdamW, _local
 from deepseek_v41.training.recipe import RecipeError
 
@@ -233,10 +235,7 @@ def _global_views(trainer) -> dict:
     views = {}
     for experts in routed_expert_modules(trainer.model):
         for p in experts.parameters():
-            shape = (experts.n_experts, *p.shape[1:])
-            views[p] = lambda t, shape=shape: DTensor.from_local(
-                t, trainer.ep_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
-                stride=torch.empty(shape, device="meta").stride())
+            views[p] = lambda t, n=experts.n_experts: global_expert_view(trainer.expert_global_mesh, n, t)
     for engram in engram_modules(trainer.model):
         start, rows = engram.table_rows
         weight = engram.embed.weight
@@ -249,10 +248,12 @@ def _global_views(trainer) -> dict:
 
 def _placed(p, views):
     """Like ``p``'s global placement, for a tensor shaped like ``p``'s local shard (optimizer state)."""
+    if p in views:
+        return views[p]
     if isinstance(p, DTensor):
         return lambda t: DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
                                             shape=p.shape, stride=p.stride())
-    return views.get(p, lambda t: t)
+    return lambda t: t
 
 
 def training_state(trainer, optimizer_keys=None) -> dict:
@@ -267,7 +268,7 @@ def training_state(trainer, optimizer_keys=None) -> dict:
     views = _global_views(trainer)
     state = {}
     for name, t in trainer.model.state_dict(keep_vars=True).items():
-        state[f"model.{name}"] = t.detach() if isinstance(t, DTensor) else views.get(t, lambda x: x)(t.detach())
+        state[f"model.{name}"] = views[t](_local(t.detach())) if t in views else t.detach()
     groups = {p: group for group in trainer.optimizer.param_groups for p in group["params"]}
     for name, p in trainer.model.named_parameters():
         if optimizer_keys is not None and f"optim.{name}.step" in optimizer_keys:

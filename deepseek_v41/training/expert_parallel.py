@@ -1,9 +1,13 @@
 """Expert parallelism: routed experts sharded on dim 0 over an ``ep`` mesh axis, tokens moved by all-to-all.
 
 Mesh (training_recipe.md §1): the ranks are unflattened into ``("ep_shard", "ep")`` with
-``ep_shard = world / ep``.  Rank ``r`` of the ``ep`` axis keeps experts ``[r * E_local, (r + 1) * E_local)``
-of every layer; with ``ep_shard > 1`` the same expert block is replicated over ``ep_shard`` and its
-gradients are summed over that axis (``replicated_expert_grads``) instead of being sharded further.
+``ep_shard = world / ep``.  Rank ``r`` of the ``ep`` axis owns experts ``[r * E_local, (r + 1) * E_local)``
+of every layer (``shard_experts``); with ``ep_shard > 1`` that block is sharded further on dim 0 over the
+``ep_shard`` axis by its own FSDP2 unit (``fsdp.parallelize``, as torchtitan does), so a rank keeps
+``E_local / ep_shard`` experts at rest, all-gathers the block for the forward and reduce-scatters (sums) its
+gradient.  Token dispatch stays on the ``ep`` axis.  Globally, the ``E`` experts are split over ``ep`` first,
+then over ``ep_shard`` (``expert_global_mesh``): rank ``(i, r)`` of ``("ep_shard", "ep")`` holds experts
+``r * E_local + i * E_local / ep_shard + [0, E_local / ep_shard)``.
 
 The ``torch`` dispatcher follows the Megatron "alltoall" pattern, all differentiable:
 
@@ -18,6 +22,9 @@ The ``torch`` dispatcher follows the Megatron "alltoall" pattern, all differenti
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..moe import combine_top_k, dispatch_top_k, inverse_permutation
 from .hybridep import HybridEPDispatcher
@@ -109,14 +116,30 @@ def shard_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> None:
     experts.expert_offset = start
 
 
+def check_expert_layout(n_experts: int, world: int, ep_size: int) -> None:
+    """``E`` experts over ``ep_size`` EP ranks, each block dim-0 sharded over ``ep_shard = world / ep_size``."""
+    ep_shard = world // ep_size
+    if n_experts % ep_size == 0 and (n_experts // ep_size) % ep_shard == 0:
+        return
+    valid = [e for e in range(1, world + 1) if world % e == 0 and n_experts % e == 0
+             and (n_experts // e) % (world // e) == 0]
+    raise ValueError(
+        f"{n_experts} routed experts over distributed.ep_size={ep_size} leave {n_experts / ep_size:g} experts per EP "
+        f"rank, which cannot be split evenly over ep_shard = {world} ranks / {ep_size} = {ep_shard} (experts are "
+        f"sharded on dim 0 over ep_shard): use distributed.ep_size in {valid} for {world} ranks")
+
+
 def apply_expert_parallel(model: nn.Module, ep_mesh, dispatcher: str) -> list:
     """Shard every ``RoutedExperts`` over ``ep_mesh['ep']`` and install the dispatcher; returns the expert params.
 
     With a single EP rank the local path is kept (the reference's "any EP dispatcher falls back to local").
+    The ``ep_shard`` split happens later, in ``fsdp.parallelize``.
     """
     ep = ep_mesh["ep"]
     ep_size, ep_rank = ep.size(), ep.get_local_rank()
     modules = routed_expert_modules(model)
+    for experts in modules:
+        check_expert_layout(experts.n_experts, ep_mesh.size(), ep_size)
     if ep_size > 1:
         router = make_dispatcher(dispatcher, ep.get_group())
         for experts in modules:
@@ -125,11 +148,24 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, dispatcher: str) -> list:
     return [p for m in modules for p in m.parameters()]
 
 
-def replicated_expert_grads(expert_params: list, ep_mesh) -> None:
-    """With ``ep_shard > 1`` the expert blocks are replicated: sum their gradients over that axis."""
-    if ep_mesh["ep_shard"].size() == 1:
-        return
-    group = ep_mesh["ep_shard"].get_group()
-    for p in expert_params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+def expert_global_mesh(ep_mesh) -> DeviceMesh:
+    """``ep_mesh`` transposed to ``("ep", "ep_shard")`` (same groups): with ``[Shard(0), Shard(0)]`` on it, dim 0
+    is split over ``ep`` first and each EP block over ``ep_shard``, the experts' global layout (module docstring)."""
+    return DeviceMesh.from_group([ep_mesh["ep"].get_group(), ep_mesh["ep_shard"].get_group()], ep_mesh.device_type,
+                                 mesh=ep_mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "ep_shard"))
+
+
+def expert_rows(experts: nn.Module, param: torch.Tensor) -> tuple:
+    """(the rank-local experts of ``param`` [n, ...], global id of the first): the EP block's ``expert_offset``
+    plus, for an ``ep_shard``-sharded block (FSDP2 ``DTensor``), this rank's dim-0 offset inside it."""
+    if not isinstance(param, DTensor):
+        return param, experts.expert_offset
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), experts.expert_offset + offset[0]
+
+
+def global_expert_view(ep_global_mesh: DeviceMesh, n_experts: int, local: torch.Tensor) -> DTensor:
+    """A tensor shaped like this rank's experts of one stacked weight [n, ...] -> its global [E, ...] DTensor."""
+    shape = (n_experts, *local.shape[1:])
+    return DTensor.from_local(local, ep_global_mesh, [Shard(0), Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())

@@ -3,8 +3,9 @@
 The same writer as ``save_pretrained`` (``deepseek_v41.hf_export``), fed with sources that read rows of
 the sharded tensors: every rank walks the same plan, and for each row block (``hf_export.BLOCK_BYTES``)
 the ranks holding rows of it put them into a zero-filled buffer that is ``reduce``d onto rank 0, the
-writer. Exactly one rank contributes each row (FSDP ``Shard(0)`` slices, the first ``ep_shard`` replica of an
-EP expert block, the Engram row owner), so the sum over an integer view of the bytes is a bitwise copy.
+writer. Exactly one rank contributes each row (FSDP ``Shard(0)`` slices, the rank holding an expert at rest:
+its EP block's ``ep_shard`` slice, the Engram row owner), so the sum over an integer view of the bytes is a
+bitwise copy.
 No rank ever holds more than one block beyond its own shards: an Engram table (~98 GB at the released
 size) is never gathered whole. Replicated tensors are read by rank 0 from its own copy.
 
@@ -22,7 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from deepseek_v41.hf_export import TensorSource, export_config, write_export
 from deepseek_v41.modeling_deepseek_v41 import AUTO_MAP, remote_code_files, support_files
 from deepseek_v41.training.engram_owner import engram_modules
-from deepseek_v41.training.expert_parallel import routed_expert_modules
+from deepseek_v41.training.expert_parallel import expert_rows, routed_expert_modules
 
 WRITER = 0
 
@@ -74,16 +75,17 @@ def sharded_sources(trainer) -> list[TensorSource]:
     tables = {id(m.embed.weight): m for m in engram_modules(model) if hasattr(m, "table_rows")}
     if tables and dist.get_world_size(trainer.engram_group) != dist.get_world_size():
         raise NotImplementedError("exporting Engram tables owned by a subgroup of the ranks is not supported")
-    ep_first_replica = ep_mesh["ep_shard"].get_local_rank() == 0
+    if ep_mesh["ep_shard"].size() > 1 and not all(isinstance(m.w1, DTensor) for m in experts.values()):
+        raise RuntimeError("routed experts must be sharded over ep_shard (fsdp.parallelize) to be exported: "
+                           "replicas would be summed")
     sources = []
     for name, tensor in model.state_dict(keep_vars=True).items():
         value = tensor.detach()
-        if id(tensor) in experts and ep_mesh["ep"].size() > 1:
+        if id(tensor) in experts:  # every expert is held by exactly one rank (its EP block's ep_shard slice)
             module = experts[id(tensor)]
-            local, offset, contributes = (_dtensor_part(name, value) if isinstance(value, DTensor)
-                                          else (value, 0, ep_first_replica))
+            local, first = expert_rows(module, value)
             shape = (module.n_experts, *value.shape[1:])
-            sources.append(_rows_source(name, shape, value.dtype, local, module.expert_offset + offset, contributes))
+            sources.append(_rows_source(name, shape, value.dtype, local, first, True))
         elif id(tensor) in tables:
             start, rows = tables[id(tensor)].table_rows
             local = value[: max(0, min(value.shape[0], rows - start))]  # the last owner's padding stays out

@@ -13,7 +13,12 @@ output or input casts, because mHC hands fp32 coefficients across module boundar
 
 At the root, ``embed`` and ``norm`` are bf16 units and the root unit holds only ``head.weight`` with
 ``MixedPrecisionPolicy(fp32, fp32, fp32)``: the fp32 LM head as its own unit (``lm_head_precision``).
-Routed experts (EP-sharded on dim 0) and Engram tables (row owners) are ``ignored_params`` everywhere.
+Engram tables (row owners) are ``ignored_params`` everywhere, and so are the routed experts (EP-sharded on
+dim 0 over ``ep``) unless ``ep_shard > 1``: then each layer's expert block ``[E_local, ...]`` is its own bf16
+unit on the ``ep_shard`` mesh (``expert_mesh``), dim-0 sharded (``E_local / ep_shard`` experts per rank at
+rest), gathered for the forward and reduce-scattered in fp32 as a *sum*: an expert's gradient on its EP
+rank is already a sum over the EP group's tokens (all-to-all backward), summed over ``ep_shard`` it is the
+sum over every rank's, divided by ``W`` once with the other summed gradients (``loop.average_summed_gradients``).
 
 Activation checkpointing wraps each block's forward (non-reentrant).  Recomputation reproduces routing and
 the CSA2 top-k because both are deterministic functions of the block's saved inputs and the per-forward,
@@ -27,6 +32,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
+
+from deepseek_v41.training.expert_parallel import routed_expert_modules
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -55,8 +62,19 @@ def checkpoint_block(block: nn.Module) -> None:
     block.forward = forward
 
 
-def parallelize(model: nn.Module, mesh, fsdp_cfg: dict, lm_head_precision: str, ignored: set) -> list:
+def shard_expert_block(experts: nn.Module, expert_mesh, fsdp_cfg: dict, policy: MixedPrecisionPolicy) -> None:
+    """One layer's routed experts as an FSDP2 unit over ``expert_mesh`` (``ep_shard``), gradients summed over it."""
+    fully_shard(experts, mesh=expert_mesh, reshard_after_forward=fsdp_cfg["reshard_after_forward"], mp_policy=policy)
+    experts.set_gradient_divide_factor(1.0)
+    experts.set_force_sum_reduction_for_comms(True)  # a plain SUM (no PREMUL_SUM: gloo has none)
+
+
+def parallelize(model: nn.Module, mesh, fsdp_cfg: dict, lm_head_precision: str, ignored: set,
+                expert_mesh=None) -> list:
     """Wrap ``model`` in place (meta or real); ``ignored`` = EP experts + Engram tables.
+
+    ``expert_mesh``: the ``ep_shard`` mesh when it has more than one rank; the routed experts are then sharded
+    over it (``shard_expert_block``) instead of being ignored.
 
     Returns the replicated (non-FSDP, non-EP) parameters whose gradients need an all-reduce mean.
     """
@@ -79,6 +97,9 @@ def parallelize(model: nn.Module, mesh, fsdp_cfg: dict, lm_head_precision: str, 
         shard(block.attn, mp_policy=policy["bf16"])
         shard(block.attn_norm, mp_policy=policy["bf16"])
         shard(block.ffn_norm, mp_policy=policy["bf16"])
+        if expert_mesh is not None:
+            for experts in routed_expert_modules(block):
+                shard_expert_block(experts, expert_mesh, fsdp_cfg, policy["bf16"])
         if block.engram is not None:
             shard(block.engram, mp_policy=policy["bf16"])
         shard(block.ffn, mp_policy=policy["bf16"])

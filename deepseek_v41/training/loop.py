@@ -3,7 +3,8 @@
 Loss normalization (training_recipe.md §5): fp32 cross-entropy summed over the supervised tokens of the
 whole global batch and divided by their count.  Each rank back-propagates ``local_sum * W / global_count``,
 so the FSDP mean over ``W`` ranks gives exactly the global-batch gradient.  Gradients that are *sums* over
-ranks instead (EP experts and Engram rows, filled by all-to-all backward; replicated ``attn_sink`` after
+ranks instead (EP experts, filled by the all-to-all backward and, with ``ep_shard > 1``, summed by their
+reduce-scatter over ``ep_shard``; Engram rows, filled by all-to-all backward; replicated ``attn_sink`` after
 its all-reduce) are divided by ``W`` exactly once, before clipping.
 """
 
@@ -25,11 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from deepseek_v41.training import data as data_lib
 from deepseek_v41.training.checkpointing import Checkpointer, resolve_resume
 from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_modules
-from deepseek_v41.training.expert_parallel import (
-    apply_expert_parallel,
-    replicated_expert_grads,
-    routed_expert_modules,
-)
+from deepseek_v41.training.expert_parallel import apply_expert_parallel, expert_global_mesh, routed_expert_modules
 from deepseek_v41.training.fsdp import parallelize
 from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
@@ -82,8 +79,10 @@ class Trainer:
         self.engram_group = dist.new_group(list(range(self.world)))
         table_params = apply_row_owner_engram(self.model, self.engram_group)
         self.dp_mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
+        self.expert_global_mesh = expert_global_mesh(self.ep_mesh)  # the experts' [E, ...] layout (checkpoints)
+        ep_shard = self.ep_mesh["ep_shard"]
         parallelize(self.model, self.dp_mesh, r["fsdp"], r["model"]["lm_head_precision"],
-                    set(expert_params) | set(table_params))
+                    set(expert_params) | set(table_params), expert_mesh=ep_shard if ep_shard.size() > 1 else None)
         self.model.to_empty(device=self.device)
         # to_empty may replace Parameter objects: collect the special groups again from their modules.
         self.expert_params = [p for m in routed_expert_modules(self.model) for p in m.parameters()]
@@ -152,8 +151,7 @@ class Trainer:
     def train_step(self, update: int) -> dict:
         stats = self.compute_gradients(update)
         max_norm = self.recipe["clip_grad_norm"]["max_norm"]
-        replicas = {p: self.world for p in self.replicated}
-        replicas.update({p: self.ep_mesh["ep_shard"].size() for p in self.expert_params})
+        replicas = {p: self.world for p in self.replicated}  # experts: disjoint shards, each element counted once
         grad_norm = clip_grad_norm_(self.params, max_norm if max_norm else math.inf, replicas=replicas)
         lr = lr_at(update, self.recipe["lr_scheduler"], self.recipe["optimizer"]["lr"])
         for group in self.optimizer.param_groups:
@@ -163,7 +161,6 @@ class Trainer:
         return {**stats, "grad_norm": float(grad_norm), "lr": lr}
 
     def _finish_gradients(self):
-        replicated_expert_grads(self.expert_params, self.ep_mesh)
         average_summed_gradients(self.replicated, list(self.expert_params) + list(self.table_params), self.world)
 
     @torch.no_grad()
@@ -312,7 +309,8 @@ def average_summed_gradients(replicated: list, summed: list, world: int) -> None
     """Turn gradients that are sums over ranks into means over ranks, exactly once.
 
     ``replicated`` (e.g. ``attn_sink``) hold only their own rank's contribution: all-reduced, then / W.
-    ``summed`` (EP experts, Engram owner rows) already hold the sum over every rank's tokens: / W.
+    ``summed`` (EP experts, also after their ``ep_shard`` reduce-scatter; Engram owner rows) already hold the sum
+    over every rank's tokens: / W.
     FSDP-managed gradients are means already and are not touched.
     """
     for p in replicated:

@@ -275,9 +275,10 @@ def lr_at(step: int, cfg: dict, max_lr: float) -> float:
 def clip_grad_norm_(params, max_norm: float, group=None, replicas=None) -> torch.Tensor:
     """Global L2 clip over rank-local gradient shards; returns the fp32 norm before clipping.
 
-    Every parameter's gradient is sharded (FSDP ``Shard(0)``, EP ``Shard(0)``, Engram row blocks), so the
-    global sum of squares is one all-reduce of the local sums.  ``replicas`` maps a parameter to how many
-    ranks hold the same gradient (EP with ``ep_shard > 1``); its squares are divided by that count.
+    Sharded gradients (FSDP ``Shard(0)``, routed experts: EP blocks dim-0 sharded again over ``ep_shard``, Engram
+    row blocks) hold each element on exactly one rank, so the global sum of squares is one all-reduce of the
+    local sums.  ``replicas`` maps a replicated parameter (``attn_sink``) to how many ranks hold the same
+    gradient; its squares are divided by that count.
     """
     params = [p for p in params if p.grad is not None]
     device = _local(params[0].grad).device if params else torch.device("cpu")

@@ -6,9 +6,9 @@
 Per rank (``W`` ranks, ``E = distributed.ep_size``, ``ep_shard = W / E``):
 
 * parameters / gradients: dense weights FSDP2-sharded over ``W`` (their own dtypes: bf16, the fp32 islands,
-  the fp32 head), routed experts ``1 / E`` of each layer's (replicated over ``ep_shard``: see
-  ``expert_parallel.py``), each Engram table one row block of ``ceil(rows / W)`` rows; the frozen indexer
-  has no gradient or optimizer state;
+  the fp32 head), routed experts ``1 / W`` of each layer's (``1 / E`` per EP rank, dim-0 sharded again over
+  ``ep_shard``: see ``expert_parallel.py``), each Engram table one row block of ``ceil(rows / W)`` rows; the
+  frozen indexer has no gradient or optimizer state;
 * optimizer state (``RemainderAdamW``): two moments in the recipe's ``exp_avg*_dtype`` per trained element,
   plus the int16 remainder of each bf16 one;
 * activations with activation checkpointing (``fsdp.activation_checkpointing``): every block's saved input
@@ -18,7 +18,10 @@ Per rank (``W`` ranks, ``E = distributed.ep_size``, ``ep_shard = W / E``):
   when the backward starts (``activation_bytes``);
 * communication buffers: the FSDP all-gather of the two largest units (the current and the prefetched one)
   and the fp32 reduce-scatter input of the largest, and with ``E > 1`` the token copies the all-to-all
-  dispatcher holds (sent and received, ``b * s * top_k`` rows each way).
+  dispatcher holds (sent and received, ``b * s * top_k`` rows each way).  With ``ep_shard > 1`` each layer's
+  EP expert block (``1 / E`` of its experts, in ``fsdp.param_dtype``) is an FSDP unit too, gathered for its
+  forward and backward and its gradient reduce-scattered in fp32 (a transient counted here when it is among
+  the two largest units).
 
 One block's live activations are ``BLOCK_ACTIVATION_FACTOR`` times the width of the tensors a token
 carries through it (``hc * dim`` streams + ``heads * head_dim`` attention + ``top_k * (dim + 2 *
@@ -120,6 +123,7 @@ def plan_memory(config, recipe: dict, world: int, seq: int, tokenizer=None) -> d
     """Per-rank bytes by part for ``recipe`` over ``world`` ranks at sequence length ``seq``."""
     dist, opt = recipe["distributed"], recipe["optimizer"]
     ep = dist["ep_size"]
+    ep_shard = world // ep
     text = config.text_config
     moments = _DTYPE_BYTES[opt["exp_avg_dtype"]] + _DTYPE_BYTES[opt["exp_avg_sq_dtype"]]
     param_dtype = _DTYPE_BYTES[recipe["fsdp"]["param_dtype"]]
@@ -127,8 +131,12 @@ def plan_memory(config, recipe: dict, world: int, seq: int, tokenizer=None) -> d
     units = {}
     for name, numel, dtype, trained in model_inventory(config, tokenizer):
         size = _SIZE[dtype]
-        if ".ffn.experts.w" in name:
-            local, engram = numel / ep, False
+        if ".ffn.experts.w" in name:  # 1 / ep per EP rank, sharded again over ep_shard: 1 / world at rest
+            local, engram = numel / world, False
+            if ep_shard > 1:  # one FSDP unit per layer over ep_shard: the EP block gathered in param_dtype
+                unit = units.setdefault(name.rsplit(".", 1)[0], [0, 0])
+                unit[0] += numel / ep * param_dtype
+                unit[1] += numel / ep
         elif ".engram.embed." in name:
             rows = _rows(config, name)
             local, engram = math.ceil(rows / world) * (numel // rows), True
@@ -230,6 +238,7 @@ def check_layout(recipe: dict, config, world: int, device: torch.device, tokeniz
 
 
 def main(argv=None) -> int:
+    from deepseek_v41.training.expert_parallel import check_expert_layout
     from deepseek_v41.training.recipe import RecipeError, load_recipe, parse_overrides
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -250,14 +259,18 @@ def main(argv=None) -> int:
     world = (args.nodes or 1) * (args.gpus_per_node or 1) if (args.nodes or args.gpus_per_node) else ep
     if world % ep:
         raise SystemExit(f"{world} ranks are not divisible by distributed.ep_size={ep}")
+    config, source = load_config(recipe)
+    try:
+        check_expert_layout(config.text_config.n_routed_experts, world, ep)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     mem = args.gpu_mem_gib if args.gpu_mem_gib is not None else recipe["memory"]["gpu_mem_gib"]
     seq = args.seq or default_seq(recipe)
-    config, source = load_config(recipe)
     parts = plan_memory(config, recipe, world, seq)
     text = config.text_config
     print(f"model: {source}: {text.num_hidden_layers} layers, {text.n_routed_experts} routed experts, "
           f"hidden {text.hidden_size}")
-    shard = f"ep_shard {world // ep}: experts replicated over it" if world // ep > 1 else "ep_shard 1"
+    shard = f"ep_shard {world // ep}: experts sharded over it" if world // ep > 1 else "ep_shard 1"
     header = (f"per rank: {world} ranks, EP {ep} ({shard}), "
               f"Engram owners {world}, micro-batch {recipe['step_scheduler']['local_batch_size']} x {seq} tokens, "
               f"activation checkpointing {'on' if recipe['fsdp']['activation_checkpointing'] else 'off'}")

@@ -4,7 +4,8 @@ Each rank decodes only the rows it stores, straight from the safetensors byte ra
 (``deepseek_v41.checkpoint.ReleasedCheckpoint.decode(name, rows)``):
 
 * FSDP2 parameters (``DTensor`` ``Shard(0)``): the rank's contiguous dim-0 slice;
-* EP-sharded routed experts: the released ``ffn.experts.{e}.w{1,2,3}.weight`` of the local experts only;
+* routed experts (EP blocks, dim-0 sharded again over ``ep_shard``): the released
+  ``ffn.experts.{e}.w{1,2,3}.weight`` of the rank's own experts only;
 * row-owner Engram tables: rows ``[start, start + local)`` of the FP8 table (padding rows stay zero);
 * replicated parameters and persistent buffers: whole.
 
@@ -18,7 +19,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from deepseek_v41.checkpoint import CheckpointError, ReleasedCheckpoint, model_to_released_name
 from deepseek_v41.training.engram_owner import engram_modules
-from deepseek_v41.training.expert_parallel import routed_expert_modules
+from deepseek_v41.training.expert_parallel import expert_rows, routed_expert_modules
 
 _VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 _SKIPPED_PREFIXES = ("mtp.",)
@@ -58,11 +59,11 @@ def load_sharded_checkpoint(model: torch.nn.Module, path, *, dequantize: bool = 
     for name, target in model.state_dict(keep_vars=True).items():
         kind = special.get(id(target))
         if kind and kind[0] == "experts":
-            experts, proj = kind[1], kind[2]
-            for local_index in range(target.shape[0]):
-                released = model_to_released_name(name, experts.expert_offset + local_index)
-                _check_shape(checkpoint, released, target.shape[1:], f"{name}[{local_index}]")
-                _copy_rows(checkpoint, released, target[local_index], 0)
+            local, first = expert_rows(kind[1], target)
+            for local_index in range(local.shape[0]):
+                released = model_to_released_name(name, first + local_index)
+                _check_shape(checkpoint, released, local.shape[1:], f"{name}[{first + local_index}]")
+                _copy_rows(checkpoint, released, local[local_index], 0)
                 used.append(released)
             continue
         if kind and kind[0] == "engram":
