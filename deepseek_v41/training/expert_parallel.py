@@ -117,16 +117,16 @@ def shard_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> None:
 
 
 def check_expert_layout(n_experts: int, world: int, ep_size: int) -> None:
-    """``E`` experts over ``ep_size`` EP ranks, each block dim-0 sharded over ``ep_shard = world / ep_size``."""
-    ep_shard = world // ep_size
-    if n_experts % ep_size == 0 and (n_experts // ep_size) % ep_shard == 0:
+    """Every rank keeps whole experts: ``E / ep_size`` per EP rank, split on dim 0 over ``ep_shard = world / ep_size``,
+    so ``world`` must divide ``E`` (and ``ep_size`` divide ``world``, ``recipe.validate_world``)."""
+    if n_experts % world == 0:
         return
-    valid = [e for e in range(1, world + 1) if world % e == 0 and n_experts % e == 0
-             and (n_experts // e) % (world // e) == 0]
+    near = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+    below, above = max(d for d in near if d < world), min((d for d in near if d > world), default=None)
     raise ValueError(
-        f"{n_experts} routed experts over distributed.ep_size={ep_size} leave {n_experts / ep_size:g} experts per EP "
-        f"rank, which cannot be split evenly over ep_shard = {world} ranks / {ep_size} = {ep_shard} (experts are "
-        f"sharded on dim 0 over ep_shard): use distributed.ep_size in {valid} for {world} ranks")
+        f"{n_experts} routed experts cannot be spread over {world} ranks at distributed.ep_size={ep_size}: each rank "
+        f"keeps whole experts ({n_experts / ep_size:g} per EP rank, sharded on dim 0 over ep_shard = {world // ep_size}), "
+        f"so the number of ranks must divide {n_experts}: use {below}" + (f" or {above}" if above else "") + " ranks")
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh, dispatcher: str) -> list:
