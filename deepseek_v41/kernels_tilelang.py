@@ -334,8 +334,9 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, slot_grads=Fa
                 T.copy(ds_s, dS[bz, s_i, h0 : h0 + HB, it * BI : it * BI + BI])
                 T.gemm(ds_s, q_s, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                if slot_grads:
-                    T.copy(acc_dkv, dKV[bz, bx, it * BI : it * BI + BI, :])
+                if slot_grads:  # through kv_s (its rows are used by now): coalesced 16-byte stores
+                    T.copy(acc_dkv, kv_s)
+                    T.copy(kv_s, dKV[bz, bx, it * BI : it * BI + BI, :])
                 else:
                     for r, d in T.Parallel(BI, dim):
                         if idx_s[it * BI + r] >= 0:
@@ -496,7 +497,7 @@ if triton is not None:
         tl.store(Out + row.to(tl.int64) * D + cols, acc.to(Out.dtype.element_ty), mask=cmask)
 
 
-def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, block_p=16, num_warps=4) -> None:
     """out[r] = Σ g over every (query, head block, slot) whose idx is r, in query order (bit-deterministic).
 
     g [s·G, k, d] bf16 per-slot gradients of one batch row (G head blocks per query), idx [s, k] int32
@@ -508,8 +509,8 @@ def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) ->
     keys = torch.where(idx >= 0, idx, n).unsqueeze(1).expand(s, heads_blocks, k).reshape(-1)
     sorted_keys, order = torch.sort(keys, stable=True)
     start = torch.searchsorted(sorted_keys, torch.arange(n + 1, device=idx.device, dtype=sorted_keys.dtype))
-    _segment_sum_kernel[(n,)](g, order, start, out, n, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=16,
-                              num_warps=4)
+    _segment_sum_kernel[(n,)](g, order, start, out, n, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=block_p,
+                              num_warps=num_warps)
 
 
 def _attention_forward(q, kv, idx, sink2, scale):
