@@ -25,7 +25,7 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   gradient ``dSᵀQ + Pᵀ dO`` (bf16, one [k, d] tile per query and 64 heads; the kernel runs one batch row at a
   time, so the buffer is s·k·d·2 bytes); ``_reduce_slot_grads`` then sums them into rows in a fixed order: a
   stable sort of ``idx`` gives each kv row its (query, slot) entries in query order and one Triton program per
-  row adds them in fp32 (16 at a time, a fixed tree) and rounds once to bf16.  The same inputs give the same
+  row adds them in fp32 (32 at a time, a fixed tree) and rounds once to bf16.  The same inputs give the same
   bits on every run, whatever the launch order; repeated rows in one query's ``idx`` are summed like any other.
   The per-slot values are rounded to bf16 before the sum (relative error ~2⁻⁹ each, not growing with the
   number of terms), the same order of error as the final bf16 ``dkv``.  The second kernel gathers again for
@@ -271,6 +271,7 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, slot_grads=Fa
     c = scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
     dkv_shape, dkv_dtype = ([batch, seq * n_hblk, slots, dim], bf16) if slot_grads else ([batch, n_kv, dim], f32)
+    loop_stages = 0 if slot_grads else stages  # slot_grads reuses kv_s to stage its stores: no pipeline planning
 
     @T.prim_func
     def attn_bwd_kv(
@@ -319,7 +320,7 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, slot_grads=Fa
             T.copy(delta_s, Delta[bz, s_i, h0 : h0 + HB])
             T.copy(delta_s, delta)
 
-            for it in T.Pipelined(n_steps, num_stages=stages):
+            for it in T.Pipelined(n_steps, num_stages=loop_stages):
                 for r, d in T.Parallel(BI, dim):
                     kv_s[r, d] = KV[bz, T.max(idx_s[it * BI + r], 0), d]
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
@@ -497,7 +498,7 @@ if triton is not None:
         tl.store(Out + row.to(tl.int64) * D + cols, acc.to(Out.dtype.element_ty), mask=cmask)
 
 
-def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, block_p=16, num_warps=4) -> None:
+def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, block_p=32, num_warps=4) -> None:
     """out[r] = Σ g over every (query, head block, slot) whose idx is r, in query order (bit-deterministic).
 
     g [s·G, k, d] bf16 per-slot gradients of one batch row (G head blocks per query), idx [s, k] int32
