@@ -94,7 +94,8 @@ def tilelang_available() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "attn backend 'tilelang' needs a CUDA GPU"
     if triton is None:
-        return False, "attn backend 'tilelang' needs Triton (its deterministic backward reduction): pip install triton"
+        return False, ("attn backend 'tilelang' needs Triton (the deterministic backward's reduction; CUDA builds of "
+                       "PyTorch ship it): pip install 'deepseek_v41[gpu]' triton")
     major, _ = torch.cuda.get_device_capability()
     if major < 9:
         return False, "attn backend 'tilelang' needs a Hopper (sm_90) or newer GPU"
