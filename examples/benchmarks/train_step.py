@@ -22,7 +22,9 @@ Whole step and decoder blocks alone, same run: the step's MFU counts every model
 time (head, loss and optimizer update included); the blocks' MFU counts the blocks' FLOPs (everything but the
 head) over the blocks' own GPU time, measured with CUDA events from the first block's forward to the last
 block's, and from the last block's output gradient to the first block's input gradient (``BlockTimer``).  The
-released model has 40 blocks a head and an update, the proxy 4: the blocks' figure is the one that carries over.
+released model has 40 blocks to one head and one update, the proxy 4: the blocks' figure is the one that carries
+over.  ``--check-determinism`` then runs two forward + backward passes of one micro-batch from the same weights and
+lists the parameters whose gradients differ in any bit (none expected: the training step is bit-reproducible).
 
     python examples/benchmarks/train_step.py --backends gpu_fast --batch 4 --steps 6     # the 4-layer proxy
     python examples/benchmarks/train_step.py --backends gpu_fast --batch 4 --experts 48 --layers 4 --fit-layers
