@@ -463,35 +463,55 @@ def backward_mode() -> str:
     return mode
 
 
+# The deterministic backward's per-slot kv gradients of one chunk of queries stay under this many bytes
+# (2.7 GB holds s 4096 at the V4.1 shape, 640 slots x 512 in one chunk; longer rows run in several chunks).
+SLOT_GRAD_BYTES = 3 << 30
+
+
+def slot_chunk(s: int, h: int, k: int, d: int) -> int:
+    """Queries per chunk of the deterministic backward: all ``s`` when their per-slot gradients
+    ([s·h/64, k, d] bf16) fit in ``SLOT_GRAD_BYTES``, else the largest multiple of 64 that does."""
+    per_query = (h // HEADS_PER_BLOCK) * k * d * 2
+    fit = SLOT_GRAD_BYTES // per_query
+    return s if fit >= s else max(64, fit // 64 * 64)
+
+
 def _attn_bwd_kernels(b, s, n, h, d, k, scale, device, mode="deterministic"):
-    """[Δ/dS/dKV kernel, dQ kernel] for one shape, built once per process.  In the deterministic mode the
-    first kernel is built for one batch row (called once per row: its per-slot output is b·s·k·d·2 bytes
-    otherwise) and writes per-slot gradients; in the atomic mode it adds into an fp32 dKV."""
+    """[Δ/dS/dKV kernel, dQ kernel] for one shape, built once per process.  In the atomic mode the first
+    kernel adds into an fp32 dKV; in the deterministic mode it is ``_attn_bwd_slots_kernel`` (per-slot
+    gradients of one chunk of one batch row), built by the caller per chunk length."""
     shape = (b, s, n, h, d, k, float(scale))
     base = ("attn", shape, "bfloat16", device)
-    if mode == "deterministic":
-        row = (1,) + shape[1:]
-        kv_kernel = _cached(("attn", row, "bfloat16", device, "bwd_kv_slots"),
-                            lambda: _compile(_build_attn_bwd_kv(*row, slot_grads=True)))
-    else:
-        kv_kernel = _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape)))
+    kv_kernel = None if mode == "deterministic" else _cached(base + ("bwd_kv",),
+                                                              lambda: _compile(_build_attn_bwd_kv(*shape)))
     return [kv_kernel, _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6])))]
+
+
+def _attn_bwd_slots_kernel(chunk, n, h, d, k, scale, device):
+    """The first backward kernel writing per-slot kv gradients, for ``chunk`` queries of one batch row."""
+    row = (1, chunk, n, h, d, k, float(scale))
+    return _cached(("attn", row, "bfloat16", device, "bwd_kv_slots"),
+                   lambda: _compile(_build_attn_bwd_kv(*row, slot_grads=True)))
 
 
 if triton is not None:
 
     @triton.jit
     def _segment_sum_kernel(G, Order, Start, Out, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_P: tl.constexpr):
+                            BLOCK_P: tl.constexpr, ACCUMULATE: tl.constexpr):
         # one program per kv row of one batch row: Out[row] = Σ G[Order[p]] for p in [Start[row], Start[row + 1]),
-        # BLOCK_P entries at a time in p order (the query order): the same sums in the same order on every run
+        # BLOCK_P entries at a time in p order (the query order): the same sums in the same order on every run;
+        # ACCUMULATE: Out[row] (fp32, the earlier query chunks' sum) is the first term
         row = tl.program_id(0)
         lo = tl.load(Start + row)
         hi = tl.load(Start + row + 1)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for step in range(0, tl.cdiv(hi - lo, BLOCK_P)):
+        if ACCUMULATE:
+            acc = tl.load(Out + row.to(tl.int64) * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for step in range(tl.cdiv(hi - lo, BLOCK_P)):
             pp = lo + step * BLOCK_P + tl.arange(0, BLOCK_P)
             pmask = pp < hi
             src = tl.load(Order + pp, mask=pmask, other=0)
@@ -500,12 +520,14 @@ if triton is not None:
         tl.store(Out + row.to(tl.int64) * D + cols, acc.to(Out.dtype.element_ty), mask=cmask)
 
 
-def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, block_p=32, num_warps=4) -> None:
+def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, accumulate=False, block_p=32,
+                       num_warps=4) -> None:
     """out[r] = Σ g over every (query, head block, slot) whose idx is r, in query order (bit-deterministic).
 
-    g [s·G, k, d] bf16 per-slot gradients of one batch row (G head blocks per query), idx [s, k] int32
-    (-1 = empty slot, skipped), out [n, d] (written in its dtype).  A stable sort of the row numbers gives
-    each row its entries in query order (a counting sort by row), then one Triton program sums a row."""
+    g [s·G, k, d] bf16 per-slot gradients of one batch row or query chunk (G head blocks per query), idx
+    [s, k] int32 (-1 = empty slot, skipped), out [n, d] (written in its dtype; ``accumulate``: added to its
+    fp32 values).  A stable sort of the row numbers gives each row its entries in query order (a counting
+    sort by row), then one Triton program sums a row."""
     s, k = idx.shape
     n, d = out.shape
     heads_blocks = g.shape[0] // s
@@ -513,7 +535,7 @@ def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, bl
     sorted_keys, order = torch.sort(keys, stable=True)
     start = torch.searchsorted(sorted_keys, torch.arange(n + 1, device=idx.device, dtype=sorted_keys.dtype))
     _segment_sum_kernel[(n,)](g, order, start, out, n, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=block_p,
-                              num_warps=num_warps)
+                              ACCUMULATE=accumulate, num_warps=num_warps)
 
 
 def _attention_forward(q, kv, idx, sink2, scale):
@@ -594,12 +616,19 @@ class _SparseAttention(torch.autograd.Function):
         ds = torch.empty((b, s, hp, kp), dtype=qp.dtype, device=qp.device)
         dq = torch.empty_like(qp)
         if mode == "deterministic":
-            dkv = torch.empty((b, n, d), dtype=kv.dtype, device=qp.device)
-            slot_grads = torch.empty((1, s * hp // HEADS_PER_BLOCK, kp, d), dtype=qp.dtype, device=qp.device)
-            for r in range(b):  # one batch row at a time bounds the per-slot buffer to s·k·d
-                sl = slice(r, r + 1)
-                bwd_kv(qp[sl], kv[sl], o[sl], dop[sl], idxp[sl], lse2[sl], delta[sl], ds[sl], slot_grads)
-                _reduce_slot_grads(slot_grads[0], idxp[r], dkv[r])
+            # one batch row and at most `chunk` queries at a time bound the per-slot buffer (SLOT_GRAD_BYTES);
+            # several chunks add up in an fp32 dkv, in chunk order
+            chunk, groups = slot_chunk(s, hp, kp, d), hp // HEADS_PER_BLOCK
+            dkv = torch.empty((b, n, d), dtype=kv.dtype if chunk == s else torch.float32, device=qp.device)
+            slot_grads = torch.empty((chunk * groups, kp, d), dtype=qp.dtype, device=qp.device)
+            for r in range(b):
+                for q0 in range(0, s, chunk):
+                    sl, q1 = slice(r, r + 1), min(q0 + chunk, s)
+                    part, grads = slice(q0, q1), slot_grads[: (q1 - q0) * groups]
+                    kernel = _attn_bwd_slots_kernel(q1 - q0, n, hp, d, kp, ctx.scale, _device_key(qp))
+                    kernel(qp[sl, part], kv[sl], o[sl, part], dop[sl, part], idxp[sl, part], lse2[sl, part],
+                           delta[sl, part], ds[sl, part], grads.unsqueeze(0))
+                    _reduce_slot_grads(grads, idxp[r, part], dkv[r], accumulate=q0 > 0)
         else:
             dkv = torch.zeros((b, n, d), dtype=torch.float32, device=qp.device)
             bwd_kv(qp, kv, o, dop, idxp, lse2, delta, ds, dkv)

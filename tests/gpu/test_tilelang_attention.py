@@ -144,8 +144,14 @@ def test_backward_is_bit_deterministic_at_v41_shape(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not AVAILABLE, reason=REASON)
-def test_backward_sums_repeated_rows():
-    # idx rows may name one kv row in several slots (the model never does): each slot's gradient counts
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_backward_sums_repeated_rows(monkeypatch, chunk):
+    # idx rows may name one kv row in several slots (the model never does): each slot's gradient counts.
+    # chunk 64: the per-slot buffer limited to 64 queries, so each batch row runs as chunks of 64 + 32 queries
+    # summed into an fp32 dkv (what rows longer than SLOT_GRAD_BYTES allow do)
+    if chunk:
+        monkeypatch.setattr(kt, "SLOT_GRAD_BYTES", chunk * 128 * 512 * 2)
+        assert kt.slot_chunk(96, 64, 128, 512) == chunk
     gen = torch.Generator(device="cuda").manual_seed(5)
     b, s, h, n, d, k = 2, 96, 64, 40, 512, 128
     q = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
@@ -155,6 +161,7 @@ def test_backward_sums_repeated_rows():
     idx[torch.rand(b, s, k, device="cuda", generator=gen) < 0.2] = -1
     do = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
     dq, dkv, dsink = _grads(q, kv, sink, idx, do, d**-0.5)
+    assert all(torch.equal(x, y) for x, y in zip((dq, dkv, dsink), _grads(q, kv, sink, idx, do, d**-0.5)))
     qr, kvr, sr = (t.detach().float().requires_grad_() for t in (q, kv, sink))
     sparse_attention_torch(qr, kvr, sr, idx, d**-0.5).backward(do.float())
     errs = {"dq": rel_err(dq, qr.grad), "dkv": rel_err(dkv, kvr.grad), "dsink": rel_err(dsink, sr.grad)}
