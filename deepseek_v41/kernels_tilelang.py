@@ -20,13 +20,21 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   its time.  Row sums are kept per slot column and reduced once at the end; the row max still needs
   a cross-warpgroup reduction per block.  Per-warpgroup structures that avoid it were slower
   (``results/attention_h200.txt``).
-* backward, two kernels: the first computes ``Δ = rowsum(dO·O)``, recomputes
-  ``P = exp2(logit·log2e − lse2)`` per block, writes ``dS = scale·P·(dP − Δ)`` (bf16) and
-  scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO`` with fp32 atomics (order-dependent rounding: ``dkv``
-  is not bit-deterministic; the atomics are ~60 % of this kernel's time at the V4.1 shape); the
-  second gathers again for ``dq = dS·kv[idx]``.  Splitting keeps the [64, d] dq accumulator out of
-  the first kernel's registers.  ``dsink_h = −Σ p_sink·Δ`` is a cheap elementwise reduction in
-  PyTorch.
+* backward (default, bit-deterministic): the first kernel computes ``Δ = rowsum(dO·O)``, recomputes
+  ``P = exp2(logit·log2e − lse2)`` per block, writes ``dS = scale·P·(dP − Δ)`` (bf16) and each slot's kv
+  gradient ``dSᵀQ + Pᵀ dO`` (bf16, one [k, d] tile per query and 64 heads; the kernel runs one batch row at a
+  time, so the buffer is s·k·d·2 bytes); ``_reduce_slot_grads`` then sums them into rows in a fixed order: a
+  stable sort of ``idx`` gives each kv row its (query, slot) entries in query order and one Triton program per
+  row adds them in fp32 (32 at a time, a fixed tree) and rounds once to bf16.  The same inputs give the same
+  bits on every run, whatever the launch order; repeated rows in one query's ``idx`` are summed like any other.
+  The per-slot values are rounded to bf16 before the sum (relative error ~2⁻⁹ each, not growing with the
+  number of terms), the same order of error as the final bf16 ``dkv``.  The second kernel gathers again for
+  ``dq = dS·kv[idx]``.  Splitting keeps the [64, d] dq accumulator out of the first kernel's registers.
+  ``dsink_h = −Σ p_sink·Δ`` is a cheap elementwise reduction in PyTorch.
+* backward, opt-in ``DS41_SPARSE_BWD=atomic``: the first kernel scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO``
+  with fp32 atomics instead (order-dependent rounding: not bit-deterministic; the atomics are ~60 % of this
+  kernel's time at the V4.1 shape).  Kernel-only on the H200 at the V4.1 shape (s 4096, 640 slots) the backward
+  takes 4.26 ms this way and 5.08 ms deterministically (``examples/benchmarks/attention.py --kernels``).
 * head counts that are not a multiple of 64 are padded with zero heads and ``idx`` with empty
   slots to a multiple of 64; both are exact (padded heads get ``dO = 0`` and add nothing to
   ``dkv``; empty slots get ``P = 0``).
@@ -46,6 +54,7 @@ later process with the same shapes loads them instead of rebuilding (a build tak
 kernel on the H200 machine).
 """
 
+import os
 import threading
 
 import torch
@@ -65,6 +74,13 @@ except ImportError:  # optional GPU dependency: pip install 'deepseek_v41[gpu]'
     tilelang = None
     T = None
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only PyTorch builds come without Triton
+    triton = None
+    tl = None
+
 HEADS_PER_BLOCK = 64  # one warpgroup MMA is 64 rows: a block handles 64 heads of one query
 SLOTS_PER_BLOCK = 64  # index slots gathered per pipeline step (idx is padded to a multiple)
 
@@ -78,6 +94,9 @@ def tilelang_available() -> tuple[bool, str]:
         return False, "attn backend 'tilelang' needs the package tilelang: pip install 'deepseek_v41[gpu]'"
     if not torch.cuda.is_available():
         return False, "attn backend 'tilelang' needs a CUDA GPU"
+    if triton is None:
+        return False, ("attn backend 'tilelang' needs Triton (the deterministic backward's reduction; CUDA builds of "
+                       "PyTorch ship it): pip install 'deepseek_v41[gpu]' triton")
     major, _ = torch.cuda.get_device_capability()
     if major < 9:
         return False, "attn backend 'tilelang' needs a Hopper (sm_90) or newer GPU"
@@ -240,16 +259,21 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, pro
     return attn_fwd
 
 
-def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, threads=256, stages=1):
-    # Backward, first kernel: Δ, dS and dKV (dQ is left to _build_attn_bwd_q, so no [64, d]
-    # accumulator competes for registers here).
+def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, slot_grads=False, block=64, threads=256, stages=1):
+    # Backward, first kernel: Δ, dS and the per-slot kv gradients (dQ is left to _build_attn_bwd_q, so no
+    # [64, d] accumulator competes for registers here).
     # Q, O, dO [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Lse2 [b, s, H] fp32
-    # -> Delta [b, s, H] fp32 (rowsum dO·O), dS [b, s, H, k] bf16 (times the softmax scale),
-    #    dKV [b, n, d] fp32 (zero-initialised, accumulated with atomics)
+    # -> Delta [b, s, H] fp32 (rowsum dO·O), dS [b, s, H, k] bf16 (times the softmax scale), and
+    #    slot_grads: dKV [b, s·H/64, k, d] bf16: slot j of (query i, head block g) at [i·H/64 + g, j] holds
+    #                dSᵀQ + PᵀdO of those 64 heads for the row idx[i, j] (summed into rows by
+    #                _reduce_slot_grads in a fixed order: bit-deterministic);
+    #    else:       dKV [b, n, d] fp32 (zero-initialised, accumulated with atomics: not bit-deterministic)
     HB, BI, DC = HEADS_PER_BLOCK, block, 64
     n_hblk, n_steps = heads // HB, slots // BI
     c = scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
+    dkv_shape, dkv_dtype = ([batch, seq * n_hblk, slots, dim], bf16) if slot_grads else ([batch, n_kv, dim], f32)
+    loop_stages = 0 if slot_grads else stages  # slot_grads reuses kv_s to stage its stores: no pipeline planning
 
     @T.prim_func
     def attn_bwd_kv(
@@ -261,7 +285,7 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
         Lse2: T.Tensor([batch, seq, heads], f32),
         Delta: T.Tensor([batch, seq, heads], f32),
         dS: T.Tensor([batch, seq, heads, slots], bf16),
-        dKV: T.Tensor([batch, n_kv, dim], f32),
+        dKV: T.Tensor(dkv_shape, dkv_dtype),
     ):
         with T.Kernel(seq * n_hblk, batch, threads=threads) as (bx, bz):
             s_i = bx // n_hblk
@@ -298,7 +322,7 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
             T.copy(delta_s, Delta[bz, s_i, h0 : h0 + HB])
             T.copy(delta_s, delta)
 
-            for it in T.Pipelined(n_steps, num_stages=stages):
+            for it in T.Pipelined(n_steps, num_stages=loop_stages):
                 for r, d in T.Parallel(BI, dim):
                     kv_s[r, d] = KV[bz, T.max(idx_s[it * BI + r], 0), d]
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
@@ -313,9 +337,13 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, block=64, thr
                 T.copy(ds_s, dS[bz, s_i, h0 : h0 + HB, it * BI : it * BI + BI])
                 T.gemm(ds_s, q_s, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                for r, d in T.Parallel(BI, dim):
-                    if idx_s[it * BI + r] >= 0:
-                        T.atomic_add(dKV[bz, idx_s[it * BI + r], d], acc_dkv[r, d])
+                if slot_grads:  # through kv_s (its rows are used by now): coalesced 16-byte stores
+                    T.copy(acc_dkv, kv_s)
+                    T.copy(kv_s, dKV[bz, bx, it * BI : it * BI + BI, :])
+                else:
+                    for r, d in T.Parallel(BI, dim):
+                        if idx_s[it * BI + r] >= 0:
+                            T.atomic_add(dKV[bz, idx_s[it * BI + r], d], acc_dkv[r, d])
 
     return attn_bwd_kv
 
@@ -426,14 +454,88 @@ def _attn_fwd_kernel(b, s, n, h, d, k, scale, device):
     return _cached(("attn", shape, "bfloat16", device, "fwd"), lambda: _compile(_build_attn_fwd(*shape), fast_math=True))
 
 
-def _attn_bwd_kernels(b, s, n, h, d, k, scale, device):
-    """[dKV/dS kernel, dQ kernel] for one shape, built once per process."""
+def backward_mode() -> str:
+    """``deterministic`` (default: per-slot kv gradients summed by row in a fixed order) or ``atomic``
+    (``DS41_SPARSE_BWD=atomic``: fp32 atomics, faster at some shapes, not bit-deterministic)."""
+    mode = os.environ.get("DS41_SPARSE_BWD", "deterministic")
+    if mode not in ("deterministic", "atomic"):
+        raise ValueError(f"DS41_SPARSE_BWD must be 'deterministic' or 'atomic', got {mode!r}")
+    return mode
+
+
+# The deterministic backward's per-slot kv gradients of one chunk of queries stay under this many bytes
+# (2.7 GB holds s 4096 at the V4.1 shape, 640 slots x 512 in one chunk; longer rows run in several chunks).
+SLOT_GRAD_BYTES = 3 << 30
+
+
+def slot_chunk(s: int, h: int, k: int, d: int) -> int:
+    """Queries per chunk of the deterministic backward: all ``s`` when their per-slot gradients
+    ([s·h/64, k, d] bf16) fit in ``SLOT_GRAD_BYTES``, else the largest multiple of 64 that does."""
+    per_query = (h // HEADS_PER_BLOCK) * k * d * 2
+    fit = SLOT_GRAD_BYTES // per_query
+    return s if fit >= s else max(64, fit // 64 * 64)
+
+
+def _attn_bwd_kernels(b, s, n, h, d, k, scale, device, mode="deterministic"):
+    """[Δ/dS/dKV kernel, dQ kernel] for one shape, built once per process.  In the atomic mode the first
+    kernel adds into an fp32 dKV; in the deterministic mode it is ``_attn_bwd_slots_kernel`` (per-slot
+    gradients of one chunk of one batch row), built by the caller per chunk length."""
     shape = (b, s, n, h, d, k, float(scale))
     base = ("attn", shape, "bfloat16", device)
-    return [
-        _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape))),
-        _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6]))),
-    ]
+    kv_kernel = None if mode == "deterministic" else _cached(base + ("bwd_kv",),
+                                                              lambda: _compile(_build_attn_bwd_kv(*shape)))
+    return [kv_kernel, _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6])))]
+
+
+def _attn_bwd_slots_kernel(chunk, n, h, d, k, scale, device):
+    """The first backward kernel writing per-slot kv gradients, for ``chunk`` queries of one batch row."""
+    row = (1, chunk, n, h, d, k, float(scale))
+    return _cached(("attn", row, "bfloat16", device, "bwd_kv_slots"),
+                   lambda: _compile(_build_attn_bwd_kv(*row, slot_grads=True)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _segment_sum_kernel(G, Order, Start, Out, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_P: tl.constexpr, ACCUMULATE: tl.constexpr):
+        # one program per kv row of one batch row: Out[row] = Σ G[Order[p]] for p in [Start[row], Start[row + 1]),
+        # BLOCK_P entries at a time in p order (the query order): the same sums in the same order on every run;
+        # ACCUMULATE: Out[row] (fp32, the earlier query chunks' sum) is the first term
+        row = tl.program_id(0)
+        lo = tl.load(Start + row)
+        hi = tl.load(Start + row + 1)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        if ACCUMULATE:
+            acc = tl.load(Out + row.to(tl.int64) * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for step in range(tl.cdiv(hi - lo, BLOCK_P)):
+            pp = lo + step * BLOCK_P + tl.arange(0, BLOCK_P)
+            pmask = pp < hi
+            src = tl.load(Order + pp, mask=pmask, other=0)
+            tile = tl.load(G + src[:, None] * D + cols[None, :], mask=pmask[:, None] & cmask[None, :], other=0.0)
+            acc += tl.sum(tile.to(tl.float32), axis=0)
+        tl.store(Out + row.to(tl.int64) * D + cols, acc.to(Out.dtype.element_ty), mask=cmask)
+
+
+def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, accumulate=False, block_p=32,
+                       num_warps=4) -> None:
+    """out[r] = Σ g over every (query, head block, slot) whose idx is r, in query order (bit-deterministic).
+
+    g [s·G, k, d] bf16 per-slot gradients of one batch row or query chunk (G head blocks per query), idx
+    [s, k] int32 (-1 = empty slot, skipped), out [n, d] (written in its dtype; ``accumulate``: added to its
+    fp32 values).  A stable sort of the row numbers gives each row its entries in query order (a counting
+    sort by row), then one Triton program sums a row."""
+    s, k = idx.shape
+    n, d = out.shape
+    heads_blocks = g.shape[0] // s
+    keys = torch.where(idx >= 0, idx, n).unsqueeze(1).expand(s, heads_blocks, k).reshape(-1)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    start = torch.searchsorted(sorted_keys, torch.arange(n + 1, device=idx.device, dtype=sorted_keys.dtype))
+    _segment_sum_kernel[(n,)](g, order, start, out, n, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_P=block_p,
+                              ACCUMULATE=accumulate, num_warps=num_warps)
 
 
 def _attention_forward(q, kv, idx, sink2, scale):
@@ -507,13 +609,29 @@ class _SparseAttention(torch.autograd.Function):
         h = ctx.h
         b, s, hp, d = qp.shape
         n, kp = kv.shape[1], idxp.shape[2]
-        bwd_kv, bwd_q = _attn_bwd_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp))
+        mode = backward_mode()
+        bwd_kv, bwd_q = _attn_bwd_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp), mode)
         dop = _pad_heads(do.to(qp.dtype), hp)
         delta = torch.empty((b, s, hp), dtype=torch.float32, device=qp.device)  # Δ = rowsum(dO·O)
         ds = torch.empty((b, s, hp, kp), dtype=qp.dtype, device=qp.device)
-        dkv = torch.zeros((b, n, d), dtype=torch.float32, device=qp.device)
         dq = torch.empty_like(qp)
-        bwd_kv(qp, kv, o, dop, idxp, lse2, delta, ds, dkv)
+        if mode == "deterministic":
+            # one batch row and at most `chunk` queries at a time bound the per-slot buffer (SLOT_GRAD_BYTES);
+            # several chunks add up in an fp32 dkv, in chunk order
+            chunk, groups = slot_chunk(s, hp, kp, d), hp // HEADS_PER_BLOCK
+            dkv = torch.empty((b, n, d), dtype=kv.dtype if chunk == s else torch.float32, device=qp.device)
+            slot_grads = torch.empty((chunk * groups, kp, d), dtype=qp.dtype, device=qp.device)
+            for r in range(b):
+                for q0 in range(0, s, chunk):
+                    sl, q1 = slice(r, r + 1), min(q0 + chunk, s)
+                    part, grads = slice(q0, q1), slot_grads[: (q1 - q0) * groups]
+                    kernel = _attn_bwd_slots_kernel(q1 - q0, n, hp, d, kp, ctx.scale, _device_key(qp))
+                    kernel(qp[sl, part], kv[sl], o[sl, part], dop[sl, part], idxp[sl, part], lse2[sl, part],
+                           delta[sl, part], ds[sl, part], grads.unsqueeze(0))
+                    _reduce_slot_grads(grads, idxp[r, part], dkv[r], accumulate=q0 > 0)
+        else:
+            dkv = torch.zeros((b, n, d), dtype=torch.float32, device=qp.device)
+            bwd_kv(qp, kv, o, dop, idxp, lse2, delta, ds, dkv)
         bwd_q(kv, idxp, ds, dq)
         # the sink's softmax probability p = exp2(sink·log2e − lse2) gets dlogit = p·(0 − Δ)
         p_sink = torch.exp2(sink2.view(1, 1, hp) - lse2)[..., :h]
@@ -596,7 +714,7 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
                 cuda_forward_kernel(padded_slots(kp))
             else:
                 _attn_fwd_kernel(*shape, dev)
-            count += 1 + len(_attn_bwd_kernels(*shape, dev))
+            count += 1 + len(_attn_bwd_kernels(*shape, dev, backward_mode()))
     return count
 
 

@@ -2,11 +2,13 @@
 
 At head dim 512 on Hopper the backend's forward is the hand-written CUDA kernel (sparse_attention_cuda);
 the row "tilelang, TileLang fwd" runs the same backend with DS41_SPARSE_FWD=tilelang (the TileLang forward),
+"tilelang, atomic bwd" with DS41_SPARSE_BWD=atomic (fp32 atomics, not bit-deterministic; the default backward is),
 and --kernels times both forward kernels alone, in the same run.
 
     python examples/benchmarks/attention.py                      # V4.1 shape: b=1 s=4096 h=64 d=512 k=640
     python examples/benchmarks/attention.py --ratio 2 --out examples/benchmarks/results/attention_h200.txt
-    python examples/benchmarks/attention.py --kernels    # also the raw kernels (no padding/casts) and the indexer
+    python examples/benchmarks/attention.py --kernels    # also the raw kernels (no padding/casts), both backward
+                                                         # modes (deterministic default, atomic opt-in), the indexer
     python examples/benchmarks/attention.py --bounds     # the forward kernel vs its gather-only and math-only probes
 
 FLOP convention: forward 4·b·s·h·k·d (QKᵀ and P·V), backward 2.5x the forward (QKᵀ recompute, dO·Vᵀ,
@@ -77,7 +79,6 @@ def kernel_times(b, s, h, d, topk, ratio, warmup, reps) -> str:
     o, lse2 = torch.empty_like(q), torch.empty(b, s, h, device="cuda")
     dev = ("cuda", torch.cuda.current_device())
     fwd = kt._attn_fwd_kernel(b, s, n, h, d, k, scale, dev)
-    bwd_kv, bwd_q = kt._attn_bwd_kernels(b, s, n, h, d, k, scale, dev)
     flop = 4 * b * s * h * k * d
     lines = [f"# kernel-only, b={b} s={s} h={h} d={d} k={k} n={n}: forward FLOP 4bshkd = {flop / 1e9:.1f} G"]
     ms_tl = time_ms(lambda: fwd(q, kv, idx, sink2, o, lse2), warmup, reps)
@@ -87,14 +88,48 @@ def kernel_times(b, s, h, d, topk, ratio, warmup, reps) -> str:
         lines.append(f"attn_fwd     {ms:.3f} ms {flop / ms / 1e9:6.1f} TFLOP/s; gathers {b * s * k * d * 2 / ms / 1e9:.2f} TB/s of kv rows "
                      f"(CUDA, outputs allocated per call; {ms_tl / ms:.2f}x the TileLang kernel)")
         o, lse2 = sparse_attention_forward_cuda(q, kv, idx, sink2, scale)  # the backward kernels read its outputs
-    delta, dkv, dq = torch.empty(b, s, h, device="cuda"), torch.zeros(b, n, d, device="cuda"), torch.empty_like(q)
+    delta, dq = torch.empty(b, s, h, device="cuda"), torch.empty_like(q)
     ds = torch.empty(b, s, h, k, device="cuda", dtype=torch.bfloat16)
-    ms_kv = time_ms(lambda: bwd_kv(q, kv, o, do, idx, lse2, delta, ds, dkv), warmup, reps)
-    lines.append(f"attn_bwd_kv  {ms_kv:.3f} ms {2 * flop / ms_kv / 1e9:6.1f} TFLOP/s (8bshkd); "
-                 f"{b * s * k * d * 4 / ms_kv / 1e9:.2f} TB/s of fp32 atomics")
+    # default (deterministic): per-slot kv gradients, then their fixed-order sum by row (one batch row at a time)
+    bwd_slots, bwd_q = kt._attn_bwd_kernels(b, s, n, h, d, k, scale, dev, "deterministic")
+    slot_grads = torch.empty(1, s * h // kt.HEADS_PER_BLOCK, k, d, device="cuda", dtype=torch.bfloat16)
+    dkv = torch.empty(b, n, d, device="cuda", dtype=torch.bfloat16)
+
+    def slots():
+        for r in range(b):
+            sl = slice(r, r + 1)
+            bwd_slots(q[sl], kv[sl], o[sl], do[sl], idx[sl], lse2[sl], delta[sl], ds[sl], slot_grads)
+
+    def reduce():
+        for r in range(b):
+            kt._reduce_slot_grads(slot_grads[0], idx[r], dkv[r])
+
+    ms_slots = time_ms(slots, warmup, reps)
+    lines.append(f"attn_bwd_kv  {ms_slots:.3f} ms {2 * flop / ms_slots / 1e9:6.1f} TFLOP/s (8bshkd); writes per-slot "
+                 f"dkv, {b * s * k * d * 2 / ms_slots / 1e9:.2f} TB/s of bf16 (deterministic, default)")
+    ms_red = time_ms(reduce, warmup, reps)
+    lines.append(f"dkv reduce   {ms_red:.3f} ms sort + fixed-order sum by row, {b * s * k * d * 2 / ms_red / 1e9:.2f} TB/s "
+                 "of per-slot rows read")
+    bits = []
+    for _ in range(3):  # the same inputs three times, with other work in between: bit-identical dkv and ds
+        slot_grads.normal_()
+        dkv.normal_()
+        slots()
+        reduce()
+        bits.append((dkv.clone(), ds.clone()))
+    same = all(torch.equal(x[0], bits[0][0]) and torch.equal(x[1], bits[0][1]) for x in bits[1:])
+    lines.append(f"deterministic dkv, ds bit-identical over 3 runs: {same}")
     ms_q = time_ms(lambda: bwd_q(kv, idx, ds, dq), warmup, reps)
     lines.append(f"attn_bwd_q   {ms_q:.3f} ms {flop / 2 / ms_q / 1e9:6.1f} TFLOP/s (2bshkd)")
-    lines.append(f"bwd kernels  {ms_kv + ms_q:.3f} ms {2.5 * flop / (ms_kv + ms_q) / 1e9:6.1f} TFLOP/s (10bshkd)")
+    total = ms_slots + ms_red + ms_q
+    lines.append(f"bwd kernels  {total:.3f} ms {2.5 * flop / total / 1e9:6.1f} TFLOP/s (10bshkd), deterministic (default)")
+    # opt-in DS41_SPARSE_BWD=atomic: fp32 atomics into dkv
+    bwd_kv = kt._attn_bwd_kernels(b, s, n, h, d, k, scale, dev, "atomic")[0]
+    dkv32 = torch.zeros(b, n, d, device="cuda")
+    ms_kv = time_ms(lambda: bwd_kv(q, kv, o, do, idx, lse2, delta, ds, dkv32), warmup, reps)
+    lines.append(f"attn_bwd_kv  {ms_kv:.3f} ms {2 * flop / ms_kv / 1e9:6.1f} TFLOP/s (8bshkd); "
+                 f"{b * s * k * d * 4 / ms_kv / 1e9:.2f} TB/s of fp32 atomics (DS41_SPARSE_BWD=atomic)")
+    lines.append(f"bwd kernels  {ms_kv + ms_q:.3f} ms {2.5 * flop / (ms_kv + ms_q) / 1e9:6.1f} TFLOP/s (10bshkd), atomic")
     n_idx, heads_i, dim_i = s // ratio, 32, 128  # V4.1's indexer: 32 heads x 128
     qi = torch.randn(b, s, heads_i, dim_i, device="cuda").bfloat16()
     w, ki = torch.randn(b, s, heads_i, device="cuda"), torch.randn(b, n_idx, dim_i, device="cuda").bfloat16()
@@ -164,6 +199,10 @@ def main():
         fwd, bwd = measure(kt.sparse_attention_tilelang, b, s, h, d, args.topk, args.ratio, args.warmup, args.reps)
         del os.environ["DS41_SPARSE_FWD"]
         rows.append(("tilelang, TileLang fwd", s, fwd, bwd, fwd_flop, bwd_flop))
+    os.environ["DS41_SPARSE_BWD"] = "atomic"  # the opt-in backward with fp32 atomics (not bit-deterministic)
+    fwd, bwd = measure(kt.sparse_attention_tilelang, b, s, h, d, args.topk, args.ratio, args.warmup, args.reps)
+    del os.environ["DS41_SPARSE_BWD"]
+    rows.append(("tilelang, atomic bwd", s, fwd, bwd, fwd_flop, bwd_flop))
 
     if not args.no_reference:
         ref_s = s

@@ -18,6 +18,18 @@ A step is ``--grad-accum`` micro-batches of ``--batch`` × ``--seq`` tokens (for
 optimizer update; the reference recipe's global batch of 64 sequences at local batch 1 is 64 micro-batches
 per update on one GPU, so the update's fixed cost (~35 ms here, memory-bound) is shared by many of them.
 
+Whole step and decoder blocks alone, same run: the step's MFU counts every model FLOP over the step's wall
+time (head, loss and optimizer update included); the blocks' MFU counts the blocks' FLOPs (everything but the
+head) over the blocks' own GPU time, measured with CUDA events from the first block's forward to the last
+block's, and from the last block's output gradient to the first block's input gradient (``BlockTimer``).  The
+released model has 40 blocks to one head and one update, the proxy 4: the blocks' figure is the one that carries
+over.  ``--check-determinism`` then runs two forward + backward passes of one micro-batch from the same weights and
+lists the parameters whose gradients differ in any bit (none expected: the training step is bit-reproducible).
+
+    python examples/benchmarks/train_step.py --backends gpu_fast --batch 4 --steps 6     # the 4-layer proxy
+    python examples/benchmarks/train_step.py --backends gpu_fast --batch 4 --experts 48 --layers 4 --fit-layers
+        # one EP-8 rank's shape: 48 of the 384 routed experts a layer, as many layers as fit in memory
+
 Model FLOPs per step = 3 × forward FLOPs (forward + backward), forward FLOPs per token =
 2 × (dense matmul parameters touched per token: attention projections, router, 6 routed + 1 shared experts,
 mHC mixes, Engram value/key projection, compressor, head) + sparse attention 4·h·d·(window + top-k)
@@ -39,24 +51,34 @@ from deepseek_v41.training.optim import RemainderAdamW
 H200_MEASURED, NEMO_PEAK = 790e12, 989e12
 
 
-def proxy_config(backend: dict) -> DeepseekV41Config:
+def proxy_config(backend: dict, layers: int = 4, experts: int = 32) -> DeepseekV41Config:
+    """The proxy's config.  Layer plan for ``layers`` layers (the released mix, shortened): the first half ratio 2,
+    the rest ratio 1; Full layers (own a compressor) at 0 and ``layers // 2`` (the candidate source), the last
+    layer Reindex, the others Reuse; Engram at layer 1.  4 layers give [2, 2, 1, 1], kv sources [0, 2], index
+    sources [0, 2, 3]."""
     engram_vocab = 1000
     rows = int(engram_primes([1], 4, 8, engram_vocab)[1].sum())
+    half = layers // 2
     text = dict(
-        num_hidden_layers=4, n_routed_experts=32, compress_ratios=[2, 2, 1, 1], kv_source_layer_ids=[0, 2],
-        index_source_layer_ids=[0, 2, 3], candidate_source_layer_id=2, engram_layer_ids=[1],
+        num_hidden_layers=layers, n_routed_experts=experts, compress_ratios=[2] * half + [1] * (layers - half),
+        kv_source_layer_ids=sorted({0, half}), index_source_layer_ids=sorted({0, half, layers - 1}),
+        candidate_source_layer_id=half, engram_layer_ids=[1] if layers > 1 else [],
         engram_num_embeddings=[rows], engram_vocab_size=engram_vocab, num_nextn_predict_layers=0,
         dspark_target_layer_ids=[],
     )
     return DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0}, backend=backend)
 
 
-def forward_flops_per_token(model, seq: int) -> float:
+def forward_flops_per_token(model, seq: int, blocks_only: bool = False) -> float:
+    """Model forward FLOPs per token (the module docstring's count); ``blocks_only``: the decoder blocks' share
+    (everything but the head)."""
     text = model.config.text_config
     matmul = 0
     for name, p in model.named_parameters():
         if name == "embed.weight" or ".engram.embed." in name or ".indexer." in name:
             continue  # lookups, and the frozen indexer counted below
+        if blocks_only and not name.startswith("layers."):
+            continue
         if ".ffn.experts." in name and ".shared_experts." not in name:
             matmul += p.numel() // text.n_routed_experts * text.num_experts_per_tok
         elif p.dim() >= 2:
@@ -146,12 +168,64 @@ def print_gpu_idle(prof, label: str, rows: int = 12, min_gap_us: float = 20.0) -
         print(f"{t / 1e3:9.2f} ms {count:6d}x  {key}")
 
 
+class BlockTimer:
+    """CUDA events around the decoder blocks of each micro-batch, forward and backward, in the timed step itself:
+    forward from a pre-hook on the first block to a hook on the last; backward from the moment the gradient of
+    the last block's output is ready (a tensor hook) to the moment the gradient of the first block's input is
+    (everything the blocks' backward does: weight and input gradients, the experts, the attention kernels).
+    Hooks fire only while ``armed`` (not during the profiled step or an activation-checkpointing recompute)."""
+
+    def __init__(self, model):
+        self.events, self.armed = [], False
+        first, last = model.layers[0], model.layers[-1]
+        first.register_forward_pre_hook(self._before_first)
+        last.register_forward_hook(self._after_last)
+
+    def _mark(self, *_):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
+
+    def _before_first(self, _module, args):
+        if self.armed:
+            self._mark()
+            args[0].register_hook(lambda grad: self._mark())  # the blocks' backward ends here
+
+    def _after_last(self, _module, _args, output):
+        if self.armed:
+            self._mark()
+            output[0].register_hook(lambda grad: self._mark())  # the blocks' backward starts here
+
+    def blocks_ms(self) -> float:
+        # events come in fours per micro-batch: fwd start, fwd end, bwd start, bwd end
+        ev = self.events
+        return sum(ev[i].elapsed_time(ev[i + 1]) + ev[i + 2].elapsed_time(ev[i + 3]) for i in range(0, len(ev), 4))
+
+
+def gradients_differ(model, ids) -> list:
+    """Two forward + backward passes of the same micro-batch from the same weights: the names of the parameters
+    whose gradients differ in any bit between them (empty: the step is bit-reproducible).  Compared through a
+    fingerprint of each gradient (its fp32 sum and a strided sample), since a copy of them all may not fit."""
+    prints = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        prints.append({n: (p.grad.sum(dtype=torch.float32), p.grad.flatten()[::101].float().clone(), loss.detach())
+                       for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad(set_to_none=True)
+    a, b = prints
+    return [n for n in a if not all(torch.equal(x, y) for x, y in zip(a[n], b[n]))]
+
+
 def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps: int, tokenizer,
-        profile_rows: int = 0, batch: int = 1, accum: int = 1) -> dict:
+        profile_rows: int = 0, batch: int = 1, accum: int = 1, layers: int = 4, experts: int = 32,
+        check_determinism: bool = False) -> dict:
     torch.manual_seed(0)
     with torch.device("cuda"), default_dtype(torch.bfloat16):
-        model = DeepseekV41ForCausalLM(proxy_config(backend), tokenizer=tokenizer)
+        model = DeepseekV41ForCausalLM(proxy_config(backend, layers, experts), tokenizer=tokenizer)
     model.train()
+    timer = BlockTimer(model)
     if backend["attn"] == "tilelang":
         from deepseek_v41.kernels_tilelang import tilelang_shapes_for, warmup_tilelang_kernels
 
@@ -160,10 +234,11 @@ def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps
                                exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,  # the recipe's
                                fused=fused_optimizer)
     ids = torch.randint(3, 129000, (accum, batch, seq), device="cuda")
-    times, phases = [], []
+    times, phases, blocks = [], [], []
     torch.cuda.reset_peak_memory_stats()
     for step in range(steps + 2):  # two warm-up steps
         torch.cuda.synchronize()
+        timer.events, timer.armed = [], True
         start = time.perf_counter()
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(2 * accum + 2)]  # start, (fwd, bwd) each, opt
         marks[0].record()
@@ -182,12 +257,17 @@ def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps
             times.append(time.perf_counter() - start)
             gaps = [marks[i].elapsed_time(marks[i + 1]) for i in range(len(marks) - 1)]
             phases.append([sum(gaps[0:-1:2]), sum(gaps[1:-1:2]), gaps[-1]])  # forward, backward (all micro), update
+            blocks.append(timer.blocks_ms())
+    timer.armed = False
     step_s = sorted(times)[len(times) // 2]
     phase_ms = [sorted(p[i] for p in phases)[len(phases) // 2] for i in range(3)]
+    blocks_ms = sorted(blocks)[len(blocks) // 2]
     if profile_rows:
         print_profile(model, optimizer, ids[0], profile_rows, backend_name)
+    differing = gradients_differ(model, ids[0]) if check_determinism else None
     tokens = accum * batch * seq
     flops = 3 * forward_flops_per_token(model, seq) * tokens
+    block_flops = 3 * forward_flops_per_token(model, seq, blocks_only=True) * tokens
     result = {
         "backend": backend_name, **backend, "fused_optimizer": fused_optimizer, "seq": seq, "batch": batch,
         "grad_accum": accum, "step_s": round(step_s, 4),
@@ -197,6 +277,11 @@ def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps
         "loss": round(loss.item(), 4),
         "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
         "forward_ms": round(phase_ms[0], 1), "backward_ms": round(phase_ms[1], 1), "optimizer_ms": round(phase_ms[2], 1),
+        "layers": layers, "experts": experts, "blocks_ms": round(blocks_ms, 1),
+        "grads_differing_between_two_backwards": differing,
+        "blocks_share_of_flops": round(block_flops / flops, 3),
+        "blocks_mfu_vs_989": round(block_flops / (blocks_ms / 1e3) / NEMO_PEAK, 4),
+        "blocks_mfu_vs_790": round(block_flops / (blocks_ms / 1e3) / H200_MEASURED, 4),
     }
     del model, optimizer
     torch.cuda.empty_cache()
@@ -213,7 +298,9 @@ COLUMNS = [  # (header, width, value of a result row)
     ("MFU/989", ">8.3f", lambda r: r["mfu_vs_989"]), ("MFU/790", ">8.3f", lambda r: r["mfu_vs_790"]),
     ("peak GiB", ">9.2f", lambda r: r["peak_mem_gib"]), ("fwd ms", ">7.1f", lambda r: r["forward_ms"]),
     ("bwd ms", ">7.1f", lambda r: r["backward_ms"]), ("opt ms", ">7.1f", lambda r: r["optimizer_ms"]),
-    ("loss@0", ">8.4f", lambda r: r["first_loss"]),
+    ("loss@0", ">8.4f", lambda r: r["first_loss"]), ("layers", ">6", lambda r: r["layers"]),
+    ("experts", ">7", lambda r: r["experts"]), ("blocks ms", ">9.1f", lambda r: r["blocks_ms"]),
+    ("blk MFU/989", ">11.3f", lambda r: r["blocks_mfu_vs_989"]), ("blk MFU/790", ">11.3f", lambda r: r["blocks_mfu_vs_790"]),
 ]
 
 
@@ -229,6 +316,14 @@ def main():
     parser.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer update")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the proxy")
+    parser.add_argument("--experts", type=int, default=32,
+                        help="routed experts a layer (48: one rank's share of the released 384 under EP 8)")
+    parser.add_argument("--check-determinism", action="store_true",
+                        help="after timing, run two backwards of one micro-batch and list the parameters whose "
+                             "gradients differ in any bit")
+    parser.add_argument("--fit-layers", action="store_true",
+                        help="on out-of-memory, retry with one layer fewer (instead of a shorter sequence)")
     parser.add_argument("--backends", nargs="+", default=["torch", "gpu", "gpu_fast"],
                         choices=["torch", "gpu", "gpu_fast"])
     parser.add_argument("--out", default=None, help="also write the results as JSON lines here")
@@ -259,18 +354,32 @@ def main():
     }
     rows = []
     for name in args.backends:
-        seq = args.seq
+        seq, layers = args.seq, args.layers
         while True:  # the gather-based torch reference may not fit at full length: halve it and say so
             try:
-                rows.append(run(name, *choices[name], seq, args.steps, tokenizer, args.profile, args.batch, args.grad_accum))
+                rows.append(run(name, *choices[name], seq, args.steps, tokenizer, args.profile, args.batch,
+                                args.grad_accum, layers, args.experts, args.check_determinism))
                 break
             except torch.OutOfMemoryError:
-                if seq // 2 < 256:
+                if (layers <= 1) if args.fit_layers else (seq // 2 < 256):
                     raise
             torch.cuda.empty_cache()  # outside the except: the failed run's frames are released by now
-            print(f"{name}: out of memory at seq {seq}; retrying at seq {seq // 2}")
-            seq //= 2
+            if args.fit_layers:
+                print(f"{name}: out of memory with {layers} layers; retrying with {layers - 1}")
+                layers -= 1
+            else:
+                print(f"{name}: out of memory at seq {seq}; retrying at seq {seq // 2}")
+                seq //= 2
     print_table(rows)
+    for r in rows:
+        print(f"{r['backend']}, {r['layers']} layers x {r['experts']} experts: blocks {r['blocks_ms']:.1f} ms of the "
+              f"{r['step_s'] * 1e3:.1f} ms step, {100 * r['blocks_share_of_flops']:.1f} % of its FLOPs; MFU whole step "
+              f"{100 * r['mfu_vs_989']:.1f} % of 989 ({100 * r['mfu_vs_790']:.1f} % of 790), blocks alone "
+              f"{100 * r['blocks_mfu_vs_989']:.1f} % of 989 ({100 * r['blocks_mfu_vs_790']:.1f} % of 790)")
+        if r["grads_differing_between_two_backwards"] is not None:
+            diff = r["grads_differing_between_two_backwards"]
+            print(f"{r['backend']}: two backwards of one micro-batch, gradients differing in any bit: {len(diff)}"
+                  + (f" ({', '.join(diff[:8])}{', ...' if len(diff) > 8 else ''})" if diff else " (bit-identical)"))
     for r in rows[1:]:  # per token, since the torch run may be shorter
         print(f"speed-up {r['backend']}/{rows[0]['backend']} (tokens/s): {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
     if args.out:

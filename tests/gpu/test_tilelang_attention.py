@@ -102,6 +102,72 @@ def test_sparse_attention_matches_torch(b, s, h, d, topk, ratio):
     assert all(e < 1e-2 for e in errs.values()), errs
 
 
+def _grads(q, kv, sink, idx, do, scale):
+    qt, kvt, st = (t.detach().clone().requires_grad_() for t in (q, kv, sink))
+    kt.sparse_attention_tilelang(qt, kvt, st, idx, scale).backward(do)
+    return qt.grad, kvt.grad, st.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not AVAILABLE, reason=REASON)
+def test_backward_is_bit_deterministic_at_v41_shape(monkeypatch):
+    # V4.1 shape: 64 heads x 512, k = 128 window + 512 compressed slots, s = 4096 (ratio 1: 4096 compressed rows)
+    b, s, h, d, topk, ratio = 1, 4096, 64, 512, 512, 1
+    q, kv, sink, idx, do = make_case(b, s, h, d, topk, ratio, seed=11)
+    scale = d**-0.5
+    monkeypatch.delenv("DS41_SPARSE_BWD", raising=False)
+    first = _grads(q, kv, sink, idx, do, scale)
+    # the atomic opt-in in between (other work, other allocations), then the default again on a side stream
+    monkeypatch.setenv("DS41_SPARSE_BWD", "atomic")
+    atomic = _grads(q, kv, sink, idx, do, scale)
+    monkeypatch.delenv("DS41_SPARSE_BWD")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        second = _grads(q, kv, sink, idx, do, scale)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for name, x, y in zip(("dq", "dkv", "dsink"), first, second):
+        assert torch.equal(x, y), f"{name} differs between two runs of the default backward"
+    for name, x, y in zip(("dq", "dkv", "dsink"), first, atomic):
+        assert rel_err(x, y) < 5e-3, (name, rel_err(x, y))
+
+    qr, kvr, sr = (t.detach().float().requires_grad_() for t in (q, kv, sink))
+    sparse_attention_torch(qr, kvr, sr, idx, scale).backward(do.float())
+    errs = {name: rel_err(x, ref.grad) for name, x, ref in zip(("dq", "dkv", "dsink"), first, (qr, kvr, sr))}
+    print(errs)
+    assert all(e < 1e-2 for e in errs.values()), errs
+    with pytest.raises(ValueError, match="DS41_SPARSE_BWD"):
+        monkeypatch.setenv("DS41_SPARSE_BWD", "fast")
+        _grads(q[:, :128], kv, sink, idx[:, :128], do[:, :128], scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not AVAILABLE, reason=REASON)
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_backward_sums_repeated_rows(monkeypatch, chunk):
+    # idx rows may name one kv row in several slots (the model never does): each slot's gradient counts.
+    # chunk 64: the per-slot buffer limited to 64 queries, so each batch row runs as chunks of 64 + 32 queries
+    # summed into an fp32 dkv (what rows longer than SLOT_GRAD_BYTES allow do)
+    if chunk:
+        monkeypatch.setattr(kt, "SLOT_GRAD_BYTES", chunk * 128 * 512 * 2)
+        assert kt.slot_chunk(96, 64, 128, 512) == chunk
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b, s, h, n, d, k = 2, 96, 64, 40, 512, 128
+    q = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(b, n, d, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(h, device="cuda", generator=gen)
+    idx = torch.randint(0, n, (b, s, k), device="cuda", generator=gen, dtype=torch.int32)
+    idx[torch.rand(b, s, k, device="cuda", generator=gen) < 0.2] = -1
+    do = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    dq, dkv, dsink = _grads(q, kv, sink, idx, do, d**-0.5)
+    assert all(torch.equal(x, y) for x, y in zip((dq, dkv, dsink), _grads(q, kv, sink, idx, do, d**-0.5)))
+    qr, kvr, sr = (t.detach().float().requires_grad_() for t in (q, kv, sink))
+    sparse_attention_torch(qr, kvr, sr, idx, d**-0.5).backward(do.float())
+    errs = {"dq": rel_err(dq, qr.grad), "dkv": rel_err(dkv, kvr.grad), "dsink": rel_err(dsink, sr.grad)}
+    assert all(e < 1e-2 for e in errs.values()), errs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not AVAILABLE, reason=REASON)
 def test_public_entry_point_and_input_errors():
