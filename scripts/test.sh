@@ -4,4 +4,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Test files run in parallel, one worker per core up to 4 (PYTEST_WORKERS overrides; 0 or 1 runs in one
+# process), each worker with its share of the cores: most tests are tiny models that gain little from threads.
+# A file's module fixtures stay in one worker (--dist loadfile).
+cores=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
+workers=${PYTEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
+if [ "$workers" -gt 1 ]; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / workers ))}
+  set -- -n "$workers" --dist loadfile "$@"
+fi
 python -m pytest -q "$@"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import GOLDEN, REPO, SHARED, golden_dir, tiny_model
 from safetensors.torch import load_file
-from test_training_parallel import run_torchrun, torchrun_env
+from test_training_parallel import make_tiny_checkpoint, run_torchrun, torchrun_env
 
 from deepseek_v41 import hf_export
 from deepseek_v41.checkpoint import ReleasedCheckpoint
@@ -368,8 +368,7 @@ def test_two_rank_export_equals_save_pretrained(tmp_path):
     """FSDP2 + EP 2 + Engram owners 2 as the trainer builds them; the export, floating point and released
     format, equals save_pretrained of the same weights tensor for tensor, byte for byte."""
     ckpt = tmp_path / "ckpt"
-    subprocess.run([sys.executable, str(REPO / "conversion" / "make_tiny_checkpoint.py"), "--out", str(ckpt)],
-                   check=True, capture_output=True, cwd=REPO, env=torchrun_env())
+    make_tiny_checkpoint(ckpt)
     out = run_torchrun(WORKER, ckpt, tmp_path, timeout=600)
     assert "EXPORT DONE" in out
     for kind in ("fp", "release"):

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from conftest import SHARED, golden_dir
 from safetensors.torch import load_file
 
-from conftest import SHARED, golden_dir
 from deepseek_v41.cache_deepseek_v41 import DeepseekV41Cache, cache_bytes_per_token
 from deepseek_v41.modeling_deepseek_v41 import returned_cache
 from deepseek_v41.parity import GATES, gate_failures, logits_metrics
@@ -103,7 +103,7 @@ def without_quantization(model, monkeypatch):
     # The FP8 / FP4 rounding boundaries turn ulp-level fp32 differences (any change of GEMM shape makes them: two
     # full forwards of different lengths differ by up to ~2e-3 on this model) into whole quantization steps;
     # without them the cached decode must match the full forward to fp32 accuracy.
-    identity = lambda x: x  # noqa: E731
+    identity = lambda x: x
     for layer in model.layers:
         monkeypatch.setattr(layer.attn, "fp8_qdq", identity)
         monkeypatch.setattr(layer.attn, "fp4_e4m3_scale_qdq", identity)

@@ -21,6 +21,13 @@ def torchrun_env() -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
+def make_tiny_checkpoint(out: Path) -> Path:
+    """The CPU demo's tiny released-format checkpoint, written by ``conversion/make_tiny_checkpoint.py``."""
+    subprocess.run([sys.executable, str(REPO / "conversion" / "make_tiny_checkpoint.py"), "--out", str(out)],
+                   check=True, capture_output=True, cwd=REPO, env=torchrun_env())
+    return out
+
+
 def run_torchrun(script: Path, *args, timeout=180, nproc=2) -> str:
     env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -42,10 +49,7 @@ def test_row_owner_engram_matches_single_table():
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "ckpt"
-    subprocess.run([sys.executable, str(REPO / "conversion" / "make_tiny_checkpoint.py"), "--out", str(out)],
-                   check=True, capture_output=True, cwd=REPO)
-    return out
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 
 
 def test_sharded_step_matches_single_process(tiny_checkpoint, tmp_path):

@@ -135,7 +135,7 @@ def test_activation_model_matches_the_measured_cpu_peak():
     resident memory before it, against the planned activations: within 15 %."""
     from test_training_parallel import torchrun_env
 
-    out = subprocess.run([sys.executable, "-c", _MEASURE], env=torchrun_env(), cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _MEASURE], check=False, env=torchrun_env(), cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     words = out.stdout.split()
@@ -157,11 +157,10 @@ def test_trainer_check_refuses_a_layout_that_cannot_fit(released, monkeypatch):
 
 
 def test_cli_prints_the_plan(tmp_path):
-    from test_training_parallel import torchrun_env
+    from test_training_parallel import make_tiny_checkpoint, torchrun_env
 
     ckpt = tmp_path / "ckpt"
-    subprocess.run([sys.executable, str(REPO / "conversion" / "make_tiny_checkpoint.py"), "--out", str(ckpt)],
-                   check=True, capture_output=True, cwd=REPO)
+    make_tiny_checkpoint(ckpt)
     out = subprocess.run([sys.executable, "-m", "deepseek_v41.training.plan", "examples/configs/tiny_cpu.yaml",
                           "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem-gib", "0.05",
                           f"--model.config.pretrained_model_name_or_path={ckpt}"],

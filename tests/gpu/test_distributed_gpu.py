@@ -8,7 +8,6 @@ and ``tests/test_training_run.py``, run again with one GPU per rank.
 
 import importlib.util
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,8 +35,7 @@ def _load(name: str):
 def test_sharded_step_matches_single_process_on_two_gpus(tmp_path):
     parallel = _load("test_training_parallel")
     ckpt = tmp_path / "ckpt"
-    subprocess.run([sys.executable, str(parallel.REPO / "conversion" / "make_tiny_checkpoint.py"), "--out", str(ckpt)],
-                   check=True, capture_output=True, cwd=parallel.REPO)
+    parallel.make_tiny_checkpoint(ckpt)
     out = parallel.run_torchrun(TESTS / "test_training_parallel.py", "model_nccl", ckpt, tmp_path, timeout=300)
     print(out)
     assert "MODEL OK ep=2" in out and "MODEL OK ep=1" in out
