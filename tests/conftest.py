@@ -103,3 +103,14 @@ def add_nested_parameters(root, spec: dict, device="cpu", factory=torch.zeros) -
                 module.add_module(part, nn.Module())
             module = module._modules[part]
         module.register_parameter(leaf, nn.Parameter(factory(shape, dtype=dtype, device=device)))
+
+
+# The files with the longest torchrun runs, longest first: collected first, so that the parallel workers of
+# scripts/test.sh (pytest-xdist, one file per worker at a time) start with them instead of ending on one alone.
+LONGEST_FILES = ("test_training_run.py", "test_training_resume.py", "test_export.py", "test_training_ep_shard.py",
+                 "test_training_parallel.py", "test_training_flagship.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order
