@@ -6,11 +6,12 @@ bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Test files run in parallel, one worker per core up to 4 (PYTEST_WORKERS overrides; 0 or 1 runs in one
 # process), each worker with its share of the cores: most tests are tiny models that gain little from threads.
-# A file's module fixtures stay in one worker (--dist loadfile).
+# A file's module fixtures stay in one worker (--dist loadfile); files go out in collection order, the longest
+# first (tests/conftest.py LONGEST_FILES).
 cores=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
 workers=${PYTEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 if [ "$workers" -gt 1 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / workers ))}
-  set -- -n "$workers" --dist loadfile "$@"
+  set -- -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
 python -m pytest -q "$@"
