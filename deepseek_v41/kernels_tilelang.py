@@ -476,22 +476,26 @@ def slot_chunk(s: int, h: int, k: int, d: int) -> int:
     return s if fit >= s else max(64, fit // 64 * 64)
 
 
+def slot_chunks(s: int, h: int, k: int, d: int) -> list:
+    """The query ranges ``(q0, q1)`` of one batch row that the deterministic backward runs one at a time."""
+    chunk = slot_chunk(s, h, k, d)
+    return [(q0, min(q0 + chunk, s)) for q0 in range(0, s, chunk)]
+
+
 def _attn_bwd_kernels(b, s, n, h, d, k, scale, device, mode="deterministic"):
-    """[Δ/dS/dKV kernel, dQ kernel] for one shape, built once per process.  In the atomic mode the first
-    kernel adds into an fp32 dKV; in the deterministic mode it is ``_attn_bwd_slots_kernel`` (per-slot
-    gradients of one chunk of one batch row), built by the caller per chunk length."""
+    """[Δ/dS/dKV kernel(s), dQ kernel] for one shape, built once per process.  Atomic mode: the first kernel
+    adds into an fp32 dKV.  Deterministic mode: the first entry is ``{queries: kernel}``, a kernel writing the
+    per-slot kv gradients of that many queries of one batch row for each chunk length of ``slot_chunks``."""
     shape = (b, s, n, h, d, k, float(scale))
     base = ("attn", shape, "bfloat16", device)
-    kv_kernel = None if mode == "deterministic" else _cached(base + ("bwd_kv",),
-                                                              lambda: _compile(_build_attn_bwd_kv(*shape)))
-    return [kv_kernel, _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6])))]
-
-
-def _attn_bwd_slots_kernel(chunk, n, h, d, k, scale, device):
-    """The first backward kernel writing per-slot kv gradients, for ``chunk`` queries of one batch row."""
-    row = (1, chunk, n, h, d, k, float(scale))
-    return _cached(("attn", row, "bfloat16", device, "bwd_kv_slots"),
-                   lambda: _compile(_build_attn_bwd_kv(*row, slot_grads=True)))
+    if mode == "deterministic":
+        rows = {q1 - q0: (1, q1 - q0, n, h, d, k, float(scale)) for q0, q1 in slot_chunks(s, h, k, d)}
+        first = {length: _cached(("attn", row, "bfloat16", device, "bwd_kv_slots"),
+                                 lambda row=row: _compile(_build_attn_bwd_kv(*row, slot_grads=True)))
+                 for length, row in rows.items()}
+    else:
+        first = _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape)))
+    return [first, _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6])))]
 
 
 if triton is not None:
@@ -618,16 +622,14 @@ class _SparseAttention(torch.autograd.Function):
         if mode == "deterministic":
             # one batch row and at most `chunk` queries at a time bound the per-slot buffer (SLOT_GRAD_BYTES);
             # several chunks add up in an fp32 dkv, in chunk order
-            chunk, groups = slot_chunk(s, hp, kp, d), hp // HEADS_PER_BLOCK
-            dkv = torch.empty((b, n, d), dtype=kv.dtype if chunk == s else torch.float32, device=qp.device)
-            slot_grads = torch.empty((chunk * groups, kp, d), dtype=qp.dtype, device=qp.device)
+            chunks, groups = slot_chunks(s, hp, kp, d), hp // HEADS_PER_BLOCK
+            dkv = torch.empty((b, n, d), dtype=kv.dtype if len(chunks) == 1 else torch.float32, device=qp.device)
+            slot_grads = torch.empty((max(bwd_kv) * groups, kp, d), dtype=qp.dtype, device=qp.device)
             for r in range(b):
-                for q0 in range(0, s, chunk):
-                    sl, q1 = slice(r, r + 1), min(q0 + chunk, s)
-                    part, grads = slice(q0, q1), slot_grads[: (q1 - q0) * groups]
-                    kernel = _attn_bwd_slots_kernel(q1 - q0, n, hp, d, kp, ctx.scale, _device_key(qp))
-                    kernel(qp[sl, part], kv[sl], o[sl, part], dop[sl, part], idxp[sl, part], lse2[sl, part],
-                           delta[sl, part], ds[sl, part], grads.unsqueeze(0))
+                for q0, q1 in chunks:
+                    sl, part, grads = slice(r, r + 1), slice(q0, q1), slot_grads[: (q1 - q0) * groups]
+                    bwd_kv[q1 - q0](qp[sl, part], kv[sl], o[sl, part], dop[sl, part], idxp[sl, part],
+                                    lse2[sl, part], delta[sl, part], ds[sl, part], grads.unsqueeze(0))
                     _reduce_slot_grads(grads, idxp[r, part], dkv[r], accumulate=q0 > 0)
         else:
             dkv = torch.zeros((b, n, d), dtype=torch.float32, device=qp.device)
@@ -714,7 +716,8 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
                 cuda_forward_kernel(padded_slots(kp))
             else:
                 _attn_fwd_kernel(*shape, dev)
-            count += 1 + len(_attn_bwd_kernels(*shape, dev, backward_mode()))
+            first, _ = _attn_bwd_kernels(*shape, dev, backward_mode())
+            count += 2 + (len(first) - 1 if isinstance(first, dict) else 0)
     return count
 
 

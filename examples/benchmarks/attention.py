@@ -91,7 +91,10 @@ def kernel_times(b, s, h, d, topk, ratio, warmup, reps) -> str:
     delta, dq = torch.empty(b, s, h, device="cuda"), torch.empty_like(q)
     ds = torch.empty(b, s, h, k, device="cuda", dtype=torch.bfloat16)
     # default (deterministic): per-slot kv gradients, then their fixed-order sum by row (one batch row at a time)
-    bwd_slots, bwd_q = kt._attn_bwd_kernels(b, s, n, h, d, k, scale, dev, "deterministic")
+    slot_kernels, bwd_q = kt._attn_bwd_kernels(b, s, n, h, d, k, scale, dev, "deterministic")
+    if list(slot_kernels) != [s]:
+        raise SystemExit(f"s={s} runs as query chunks {sorted(slot_kernels)} (kt.SLOT_GRAD_BYTES): benchmark a shorter s")
+    bwd_slots = slot_kernels[s]  # the whole row as one chunk
     slot_grads = torch.empty(1, s * h // kt.HEADS_PER_BLOCK, k, d, device="cuda", dtype=torch.bfloat16)
     dkv = torch.empty(b, n, d, device="cuda", dtype=torch.bfloat16)
 

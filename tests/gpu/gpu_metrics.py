@@ -1,4 +1,4 @@
-"""Error measures shared by the GPU tests (pytest puts this folder on sys.path)."""
+"""Error measures and helpers shared by the GPU tests (pytest puts this folder on sys.path)."""
 
 
 def rel_err(x, ref) -> float:
@@ -72,3 +72,19 @@ def assert_bf16_backend_as_close_to_fp32(base: dict, candidate: dict, text=None)
           f"{candidate} bf16 {mean['new16']:.2e}")
     assert len(grad_err["new16"]) > 100
     assert mean["new16"] <= 2 * mean["ref16"] + 1e-3
+
+
+def cpu_test_module(name: str):
+    """The CPU test module ``tests/<name>.py`` (its torchrun launchers and worker cases), imported by path under
+    another name; the CPU test modules import each other's helpers, so ``tests/`` goes on sys.path."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    if str(tests) not in sys.path:
+        sys.path.insert(0, str(tests))
+    spec = importlib.util.spec_from_file_location(f"_cpu_{name}", tests / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,31 +4,17 @@ tensors to host memory in a background thread while training goes on, and a resu
 The CPU (gloo) version of these checks, with resharding and kill -9, is ``tests/test_training_resume.py``.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-TESTS = Path(__file__).resolve().parents[1]
+from gpu_metrics import cpu_test_module
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _resume_module():
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    spec = importlib.util.spec_from_file_location("_cpu_test_training_resume", TESTS / "test_training_resume.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_async_save_on_cuda_commits_prunes_and_resumes(tmp_path):
     from deepseek_v41.training.checkpointing import verify_folder
 
-    resume = _resume_module()
+    resume = cpu_test_module("test_training_resume")
     nccl = ["--distributed.backend=nccl", "--step_scheduler.max_steps=4"]
     resume.launch(tmp_path, tmp_path / "A", *nccl, "--checkpoint.save_every_steps=1", "--checkpoint.async_save=true",
                   "--checkpoint.keep_last=2", world=1)

@@ -6,13 +6,12 @@ and ``tests/test_training_run.py``, run again with one GPU per rank.
 * the README's tiny recipe (100 updates, bf16, EP2, activation checkpointing) learns under NCCL.
 """
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_metrics import cpu_test_module
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -22,18 +21,8 @@ pytestmark = [
 ]
 
 
-def _load(name: str):
-    """The CPU test module ``name`` (its torchrun launchers and worker cases), imported by path."""
-    if str(TESTS) not in sys.path:  # the CPU test modules import each other's helpers
-        sys.path.insert(0, str(TESTS))
-    spec = importlib.util.spec_from_file_location(f"_cpu_{name}", TESTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_sharded_step_matches_single_process_on_two_gpus(tmp_path):
-    parallel = _load("test_training_parallel")
+    parallel = cpu_test_module("test_training_parallel")
     ckpt = tmp_path / "ckpt"
     parallel.make_tiny_checkpoint(ckpt)
     out = parallel.run_torchrun(TESTS / "test_training_parallel.py", "model_nccl", ckpt, tmp_path, timeout=300)
@@ -42,7 +31,7 @@ def test_sharded_step_matches_single_process_on_two_gpus(tmp_path):
 
 
 def test_tiny_recipe_learns_on_two_gpus(tmp_path):
-    run = _load("test_training_run")
+    run = cpu_test_module("test_training_run")
     out = tmp_path / "run"
     result = run.finetune(f"--model.config.pretrained_model_name_or_path={tmp_path / 'ckpt'}", f"--output_dir={out}",
                           "--distributed.backend=nccl", timeout=600)
