@@ -17,13 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_training_parallel import torchrun_env
-from test_training_resume import full_state
+from test_training_parallel import make_tiny_checkpoint, torchrun_env
+from test_training_resume import FP32, full_state
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
-FP32 = ["--model.config.dtype=float32", "--fsdp.param_dtype=float32", "--optimizer.exp_avg_dtype=float32",
-        "--optimizer.exp_avg_sq_dtype=float32"]
 TINY = ["--step_scheduler.val_every_steps=0", "--step_scheduler.global_batch_size=4", "--prewarm=false",
         "--fsdp.activation_checkpointing=false", "--step_scheduler.max_steps=3"]
 
@@ -46,8 +44,7 @@ def records(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep_shard")
-    subprocess.run([sys.executable, str(REPO / "conversion" / "make_tiny_checkpoint.py"), "--out", str(tmp / "ckpt")],
-                   check=True, capture_output=True, cwd=REPO)
+    make_tiny_checkpoint(tmp / "ckpt")
     a, b = tmp / "A", tmp / "B"
     out_a = launch(tmp, a, 4, 2, "--checkpoint.save_every_steps=2", f"--checkpoint.export_dir={tmp / 'export'}",
                    f"--reload={a / 'checkpoints' / 'step_00000002'}")
