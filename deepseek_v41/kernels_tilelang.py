@@ -20,21 +20,22 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   its time.  Row sums are kept per slot column and reduced once at the end; the row max still needs
   a cross-warpgroup reduction per block.  Per-warpgroup structures that avoid it were slower
   (``results/attention_h200.txt``).
-* backward (default, bit-deterministic): the first kernel computes ``Δ = rowsum(dO·O)``, recomputes
-  ``P = exp2(logit·log2e − lse2)`` per block, writes ``dS = scale·P·(dP − Δ)`` (bf16) and each slot's kv
-  gradient ``dSᵀQ + Pᵀ dO`` (bf16, one [k, d] tile per query and 64 heads; the kernel runs one batch row at a
-  time, so the buffer is s·k·d·2 bytes); ``_reduce_slot_grads`` then sums them into rows in a fixed order: a
-  stable sort of ``idx`` gives each kv row its (query, slot) entries in query order and one Triton program per
-  row adds them in fp32 (32 at a time, a fixed tree) and rounds once to bf16.  The same inputs give the same
-  bits on every run, whatever the launch order; repeated rows in one query's ``idx`` are summed like any other.
-  The per-slot values are rounded to bf16 before the sum (relative error ~2⁻⁹ each, not growing with the
-  number of terms), the same order of error as the final bf16 ``dkv``.  The second kernel gathers again for
-  ``dq = dS·kv[idx]``.  Splitting keeps the [64, d] dq accumulator out of the first kernel's registers.
+* backward (default, bit-deterministic): one kernel computes ``Δ = rowsum(dO·O)``, recomputes
+  ``P = exp2(logit·log2e − lse2)`` per block of 64 slots, forms ``dS = scale·P·(dP − Δ)``, accumulates
+  ``dQ = dS·kv[idx]`` and writes each slot's kv gradient ``dSᵀQ + Pᵀ dO`` (bf16, one [k, d] tile per query and 64
+  heads; the kernel runs one batch row at a time, so the buffer is s·k·d·2 bytes).  While a block's kv gradients
+  are computed and stored (128 columns at a time through a small swizzled staging tile), the next block's rows are
+  already being gathered into the one [64, d] buffer that fits next to Q and dO.  ``_reduce_slot_grads`` then sums
+  the tiles into rows in a fixed order: a stable sort of ``idx`` gives each kv row its (query, slot) entries in
+  query order and one Triton program per row adds them in fp32 (32 at a time, a fixed tree) and rounds once to
+  bf16.  The same inputs give the same bits on every run, whatever the launch order; repeated rows in one query's
+  ``idx`` are summed like any other.  The per-slot values are rounded to bf16 before the sum (relative error ~2⁻⁹
+  each, not growing with the number of terms), the same order of error as the final bf16 ``dkv``.
   ``dsink_h = −Σ p_sink·Δ`` is a cheap elementwise reduction in PyTorch.
-* backward, opt-in ``DS41_SPARSE_BWD=atomic``: the first kernel scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO``
-  with fp32 atomics instead (order-dependent rounding: not bit-deterministic; the atomics are ~60 % of this
-  kernel's time at the V4.1 shape).  Kernel-only on the H200 at the V4.1 shape (s 4096, 640 slots) the backward
-  takes 4.26 ms this way and 5.08 ms deterministically (``examples/benchmarks/attention.py --kernels``).
+* backward, opt-in ``DS41_SPARSE_BWD=atomic``: a first kernel scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO`` with fp32
+  atomics (order-dependent rounding: not bit-deterministic) and writes dS; a second gathers again for
+  ``dq = dS·kv[idx]``.  Kernel-only on the H200 at the V4.1 shape (s 4096, 640 slots)
+  (``examples/benchmarks/attention.py --kernels``): see ``results/attention_h200.txt`` for both modes.
 * head counts that are not a multiple of 64 are padded with zero heads and ``idx`` with empty
   slots to a multiple of 64; both are exact (padded heads get ``dO = 0`` and add nothing to
   ``dkv``; empty slots get ``P = 0``).
@@ -128,26 +129,15 @@ def _cached(key: tuple, build):
 _PASS_CONFIGS = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
 
 
-def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, probe=""):
-    # Q [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Sink2 [H] fp32 (sink·log2e)
-    # -> O [b, s, H, d] bf16, Lse2 [b, s, H] fp32 (base-2 log-sum-exp with the sink)
-    # probe (benchmarks only, the output is meaningless): "gather" keeps the gathers and barriers and drops
-    # the math; "math" gathers the first two blocks only and computes every block on them.
-    # Hand-written double buffering: the index row is staged in shared memory once, and while the
-    # two warpgroups work on one block of 64 rows, cp.async gathers the next block into the other of
-    # two separate buffers (empty slots are zero-filled, not read).  Against TileLang's automatic
-    # pipeline over a global index read this is 4 % faster at s = 4096 and 35 % at s <= 1024.
-    HB, BI = HEADS_PER_BLOCK, SLOTS_PER_BLOCK
-    n_hblk, n_steps = heads // HB, slots // BI
-    n_pairs = n_steps // 2  # blocks go in pairs, buffer 0 then 1; an odd last block uses buffer 0
-    vec = 8  # bf16 per 16-byte cp.async
+def _gather_macro(dim, threads, n_gathered):
+    """(gather, n_rows): a macro that starts copying the kv rows of slot block ``blk`` (SLOTS_PER_BLOCK slots of
+    ``idx_s``) into a [SLOTS_PER_BLOCK, dim] shared buffer with 16-byte cp.async and commits them as one group
+    (empty slots, -1, are zero-filled, not read); ``rows`` is a local int32 [n_rows] scratch.  Blocks from
+    ``n_gathered`` on are skipped (the forward's "math" probe)."""
+    BI, vec = SLOTS_PER_BLOCK, 8  # bf16 per 16-byte cp.async
     per_row = dim // vec  # 16-byte chunks per row
     chunks = BI * per_row  # per block; thread t copies chunks t, t + threads, ...
     n_rows = -(-chunks // threads)
-    c = scale * LOG2E
-    bf16, f32 = "bfloat16", "float32"
-    n_gathered = 2 if probe == "math" else n_steps
-    with_math = probe != "gather"
 
     @T.macro
     def gather(KV, idx_s, rows, kv_buf, bz, blk, t):
@@ -168,6 +158,26 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, pro
                         rows[u] >= 0,
                     )
         T.ptx_commit_group()
+
+    return gather, n_rows
+
+
+def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, probe=""):
+    # Q [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Sink2 [H] fp32 (sink·log2e)
+    # -> O [b, s, H, d] bf16, Lse2 [b, s, H] fp32 (base-2 log-sum-exp with the sink)
+    # probe (benchmarks only, the output is meaningless): "gather" keeps the gathers and barriers and drops
+    # the math; "math" gathers the first two blocks only and computes every block on them.
+    # Hand-written double buffering: the index row is staged in shared memory once, and while the
+    # two warpgroups work on one block of 64 rows, cp.async gathers the next block into the other of
+    # two separate buffers (empty slots are zero-filled, not read).  Against TileLang's automatic
+    # pipeline over a global index read this is 4 % faster at s = 4096 and 35 % at s <= 1024.
+    HB, BI = HEADS_PER_BLOCK, SLOTS_PER_BLOCK
+    n_hblk, n_steps = heads // HB, slots // BI
+    n_pairs = n_steps // 2  # blocks go in pairs, buffer 0 then 1; an odd last block uses buffer 0
+    c = scale * LOG2E
+    bf16, f32 = "bfloat16", "float32"
+    gather, n_rows = _gather_macro(dim, threads, n_gathered=2 if probe == "math" else n_steps)
+    with_math = probe != "gather"
 
     @T.macro
     def step(q_s, kv_buf, p_s, idx_s, blk, acc_s, acc_o, m, m_prev, l_part, alpha, pending=1):
@@ -259,21 +269,42 @@ def _build_attn_fwd(batch, seq, n_kv, heads, dim, slots, scale, threads=256, pro
     return attn_fwd
 
 
-def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, slot_grads=False, block=64, threads=256, stages=1):
-    # Backward, first kernel: Δ, dS and the per-slot kv gradients (dQ is left to _build_attn_bwd_q, so no
-    # [64, d] accumulator competes for registers here).
+if T is not None:  # TileLang macros shared by the backward kernels (tilelang is an optional dependency)
+
+    @T.macro
+    def _delta_rows(dO, O, bz, s_i, h0, dim, part, part_sum, delta_acc, delta_s, Delta, delta):
+        # Δ = rowsum(dO·O) in fp32 over 64 heads, 64 columns at a time, written to Delta and kept in `delta`
+        T.fill(delta_acc, 0)
+        for cc in T.serial(dim // 64):
+            for h, d in T.Parallel(HEADS_PER_BLOCK, 64):
+                part[h, d] = T.Cast("float32", dO[bz, s_i, h0 + h, cc * 64 + d]) * T.Cast("float32", O[bz, s_i, h0 + h, cc * 64 + d])
+            T.reduce_sum(part, part_sum, dim=1)
+            for h in T.Parallel(HEADS_PER_BLOCK):
+                delta_acc[h] = delta_acc[h] + part_sum[h]
+        T.copy(delta_acc, delta_s)
+        T.copy(delta_s, Delta[bz, s_i, h0 : h0 + HEADS_PER_BLOCK])
+        T.copy(delta_s, delta)
+
+    @T.macro
+    def _probabilities_and_ds(acc_s, acc_dp, idx_s, slot0, lse, delta, c, scale):
+        # acc_s: logits -> P = exp2(logit·c − lse2) (the sink is in lse2; empty slots get 0);
+        # acc_dp: dP -> dS = P·(dP − Δ)·scale
+        for h, r in T.Parallel(HEADS_PER_BLOCK, SLOTS_PER_BLOCK):
+            acc_s[h, r] = T.if_then_else(idx_s[slot0 + r] >= 0, T.exp2(acc_s[h, r] * c - lse[h]), 0)
+        for h, r in T.Parallel(HEADS_PER_BLOCK, SLOTS_PER_BLOCK):
+            acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale
+
+
+def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, threads=256, stages=1):
+    # Backward of DS41_SPARSE_BWD=atomic, first kernel: Δ, dS and dKV by fp32 atomics (dQ is left to
+    # _build_attn_bwd_q, so no [64, d] accumulator competes for registers here).
     # Q, O, dO [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Lse2 [b, s, H] fp32
-    # -> Delta [b, s, H] fp32 (rowsum dO·O), dS [b, s, H, k] bf16 (times the softmax scale), and
-    #    slot_grads: dKV [b, s·H/64, k, d] bf16: slot j of (query i, head block g) at [i·H/64 + g, j] holds
-    #                dSᵀQ + PᵀdO of those 64 heads for the row idx[i, j] (summed into rows by
-    #                _reduce_slot_grads in a fixed order: bit-deterministic);
-    #    else:       dKV [b, n, d] fp32 (zero-initialised, accumulated with atomics: not bit-deterministic)
-    HB, BI, DC = HEADS_PER_BLOCK, block, 64
+    # -> Delta [b, s, H] fp32 (rowsum dO·O), dS [b, s, H, k] bf16 (times the softmax scale),
+    #    dKV [b, n, d] fp32 (zero-initialised, accumulated with atomics: not bit-deterministic)
+    HB, BI, DC = HEADS_PER_BLOCK, SLOTS_PER_BLOCK, 64
     n_hblk, n_steps = heads // HB, slots // BI
     c = scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
-    dkv_shape, dkv_dtype = ([batch, seq * n_hblk, slots, dim], bf16) if slot_grads else ([batch, n_kv, dim], f32)
-    loop_stages = 0 if slot_grads else stages  # slot_grads reuses kv_s to stage its stores: no pipeline planning
 
     @T.prim_func
     def attn_bwd_kv(
@@ -285,7 +316,7 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, slot_grads=Fa
         Lse2: T.Tensor([batch, seq, heads], f32),
         Delta: T.Tensor([batch, seq, heads], f32),
         dS: T.Tensor([batch, seq, heads, slots], bf16),
-        dKV: T.Tensor(dkv_shape, dkv_dtype),
+        dKV: T.Tensor([batch, n_kv, dim], f32),
     ):
         with T.Kernel(seq * n_hblk, batch, threads=threads) as (bx, bz):
             s_i = bx // n_hblk
@@ -310,42 +341,115 @@ def _build_attn_bwd_kv(batch, seq, n_kv, heads, dim, slots, scale, slot_grads=Fa
             T.copy(dO[bz, s_i, h0 : h0 + HB, :], do_s)
             T.copy(Idx[bz, s_i, :], idx_s)
             T.copy(Lse2[bz, s_i, h0 : h0 + HB], lse)
-            # Δ = rowsum(dO·O) in fp32, DC columns at a time
-            T.fill(delta_acc, 0)
-            for cc in T.serial(dim // DC):
-                for h, d in T.Parallel(HB, DC):
-                    part[h, d] = T.Cast(f32, do_s[h, cc * DC + d]) * T.Cast(f32, O[bz, s_i, h0 + h, cc * DC + d])
-                T.reduce_sum(part, part_sum, dim=1)
-                for h in T.Parallel(HB):
-                    delta_acc[h] = delta_acc[h] + part_sum[h]
-            T.copy(delta_acc, delta_s)
-            T.copy(delta_s, Delta[bz, s_i, h0 : h0 + HB])
-            T.copy(delta_s, delta)
+            _delta_rows(dO, O, bz, s_i, h0, dim, part, part_sum, delta_acc, delta_s, Delta, delta)
 
-            for it in T.Pipelined(n_steps, num_stages=loop_stages):
+            for it in T.Pipelined(n_steps, num_stages=stages):
                 for r, d in T.Parallel(BI, dim):
                     kv_s[r, d] = KV[bz, T.max(idx_s[it * BI + r], 0), d]
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                # P = softmax probability (sink included in lse2); empty slots get P = 0
-                for h, r in T.Parallel(HB, BI):
-                    acc_s[h, r] = T.if_then_else(idx_s[it * BI + r] >= 0, T.exp2(acc_s[h, r] * c - lse[h]), 0)
-                for h, r in T.Parallel(HB, BI):
-                    acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale
+                _probabilities_and_ds(acc_s, acc_dp, idx_s, it * BI, lse, delta, c, scale)
                 T.copy(acc_s, p_s)
                 T.copy(acc_dp, ds_s)
                 T.copy(ds_s, dS[bz, s_i, h0 : h0 + HB, it * BI : it * BI + BI])
                 T.gemm(ds_s, q_s, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                if slot_grads:  # through kv_s (its rows are used by now): coalesced 16-byte stores
-                    T.copy(acc_dkv, kv_s)
-                    T.copy(kv_s, dKV[bz, bx, it * BI : it * BI + BI, :])
-                else:
-                    for r, d in T.Parallel(BI, dim):
-                        if idx_s[it * BI + r] >= 0:
-                            T.atomic_add(dKV[bz, idx_s[it * BI + r], d], acc_dkv[r, d])
+                for r, d in T.Parallel(BI, dim):
+                    if idx_s[it * BI + r] >= 0:
+                        T.atomic_add(dKV[bz, idx_s[it * BI + r], d], acc_dkv[r, d])
 
     return attn_bwd_kv
+
+
+def _build_attn_bwd_slots(batch, seq, n_kv, heads, dim, slots, scale, threads=256):
+    # The deterministic backward in one kernel: Δ, dQ, and each slot's kv gradient, one [k, d] tile per (query,
+    # 64 heads), summed into rows afterwards by _reduce_slot_grads in a fixed order.
+    # Q, O, dO [b, s, H, d] bf16, KV [b, n, d] bf16, Idx [b, s, k] int32, Lse2 [b, s, H] fp32
+    # -> Delta [b, s, H] fp32 (rowsum dO·O), dQ [b, s, H, d] bf16,
+    #    dKV [b, s·H/64, k, d] bf16: slot j of (query i, head block g) at [i·H/64 + g, j] holds dSᵀQ + PᵀdO of
+    #    those 64 heads for the row idx[i, j].
+    # Per block of 64 slots: S = Q·kvᵀ and dP = dO·kvᵀ, P and dS (shared memory), dQ += dS·kv; then the next
+    # block's rows are gathered (cp.async into the same buffer, the only [64, d] buffer that fits next to Q and
+    # dO) while the kv gradients dSᵀQ + PᵀdO are computed and stored `chunk` columns at a time through a small
+    # swizzled staging tile.  A [64, chunk] accumulator (not [64, d]) leaves registers for the [64, d] dQ one.
+    # H200, V4.1 shape (s 4096, k 640, d 512): 2.59 ms, against 3.42 ms for the per-slot kernel that staged its
+    # whole [64, d] tile through the gather buffer (no overlap) plus 0.71 ms for a separate dQ kernel.
+    HB, BI, DC = HEADS_PER_BLOCK, SLOTS_PER_BLOCK, 64
+    n_hblk, n_steps = heads // HB, slots // BI
+    chunk = 128 if dim % 128 == 0 else 64
+    c = scale * LOG2E
+    bf16, f32 = "bfloat16", "float32"
+    gather, n_rows = _gather_macro(dim, threads, n_gathered=n_steps)
+
+    @T.prim_func
+    def attn_bwd_slots(
+        Q: T.Tensor([batch, seq, heads, dim], bf16),
+        KV: T.Tensor([batch, n_kv, dim], bf16),
+        O: T.Tensor([batch, seq, heads, dim], bf16),
+        dO: T.Tensor([batch, seq, heads, dim], bf16),
+        Idx: T.Tensor([batch, seq, slots], "int32"),
+        Lse2: T.Tensor([batch, seq, heads], f32),
+        Delta: T.Tensor([batch, seq, heads], f32),
+        dQ: T.Tensor([batch, seq, heads, dim], bf16),
+        dKV: T.Tensor([batch, seq * n_hblk, slots, dim], bf16),
+    ):
+        with T.Kernel(seq * n_hblk, batch, threads=threads) as (bx, bz):
+            s_i = bx // n_hblk
+            h0 = (bx % n_hblk) * HB
+            q_s = T.alloc_shared([HB, dim], bf16)
+            do_s = T.alloc_shared([HB, dim], bf16)
+            kv_s = T.alloc_shared([BI, dim], bf16)
+            p_s = T.alloc_shared([HB, BI], bf16)
+            ds_s = T.alloc_shared([HB, BI], bf16)
+            st_s = T.alloc_shared([BI, chunk], bf16)  # staging of the kv-gradient stores
+            idx_s = T.alloc_shared([slots], "int32")
+            delta_s = T.alloc_shared([HB], f32)
+            rows = T.alloc_local([n_rows], "int32")
+            acc_s = T.alloc_fragment([HB, BI], f32)
+            acc_dp = T.alloc_fragment([HB, BI], f32)
+            acc_dkv = T.alloc_fragment([BI, chunk], f32)
+            acc_dq = T.alloc_fragment([HB, dim], f32)
+            part = T.alloc_fragment([HB, DC], f32)
+            part_sum = T.alloc_fragment([HB], f32)
+            delta_acc = T.alloc_fragment([HB], f32)
+            lse = T.alloc_fragment([HB], f32)
+            delta = T.alloc_fragment([HB], f32)
+            # swizzled: the fragment-to-shared copy is free of bank conflicts (a plain [64, 128] tile is not)
+            T.annotate_layout({st_s: tilelang.layout.make_swizzled_layout(st_s)})
+
+            tx = T.get_thread_binding()
+            T.copy(Q[bz, s_i, h0 : h0 + HB, :], q_s)
+            T.copy(dO[bz, s_i, h0 : h0 + HB, :], do_s)
+            T.copy(Idx[bz, s_i, :], idx_s)
+            T.copy(Lse2[bz, s_i, h0 : h0 + HB], lse)
+            T.sync_threads()
+            gather(KV, idx_s, rows, kv_s, bz, 0, tx)
+            _delta_rows(dO, O, bz, s_i, h0, dim, part, part_sum, delta_acc, delta_s, Delta, delta)
+            T.fill(acc_dq, 0)
+
+            for it in T.serial(n_steps):
+                T.ptx_wait_group(0)  # this block's rows have landed
+                T.sync_threads()
+                T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                _probabilities_and_ds(acc_s, acc_dp, idx_s, it * BI, lse, delta, c, scale)
+                T.copy(acc_s, p_s)
+                T.copy(acc_dp, ds_s)
+                T.gemm(ds_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                T.sync_threads()  # every warp is done with kv_s: the next block's rows may land there
+                if it + 1 < n_steps:
+                    gather(KV, idx_s, rows, kv_s, bz, it + 1, tx)
+                for cn in T.unroll(dim // chunk):
+                    T.gemm(ds_s, q_s[:, cn * chunk : cn * chunk + chunk], acc_dkv, transpose_A=True, clear_accum=True,
+                           policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(p_s, do_s[:, cn * chunk : cn * chunk + chunk], acc_dkv, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullCol)
+                    T.copy(acc_dkv, st_s)
+                    T.copy(st_s, dKV[bz, bx, it * BI : it * BI + BI, cn * chunk : cn * chunk + chunk])
+            T.copy(acc_dq, q_s)
+            T.copy(q_s, dQ[bz, s_i, h0 : h0 + HB, :])
+
+    return attn_bwd_slots
 
 
 def _build_attn_bwd_q(batch, seq, n_kv, heads, dim, slots, threads=256, stages=2):
@@ -482,20 +586,29 @@ def slot_chunks(s: int, h: int, k: int, d: int) -> list:
     return [(q0, min(q0 + chunk, s)) for q0 in range(0, s, chunk)]
 
 
-def _attn_bwd_kernels(b, s, n, h, d, k, scale, device, mode="deterministic"):
-    """[Δ/dS/dKV kernel(s), dQ kernel] for one shape, built once per process.  Atomic mode: the first kernel
-    adds into an fp32 dKV.  Deterministic mode: the first entry is ``{queries: kernel}``, a kernel writing the
-    per-slot kv gradients of that many queries of one batch row for each chunk length of ``slot_chunks``."""
+def _attn_bwd_slot_kernels(b, s, n, h, d, k, scale, device) -> dict:
+    """The deterministic backward's kernels for one shape, built once per process: ``{queries: kernel}``, one
+    ``_build_attn_bwd_slots`` kernel over that many queries of one batch row for each chunk length of
+    ``slot_chunks``."""
+    rows = {q1 - q0: (1, q1 - q0, n, h, d, k, float(scale)) for q0, q1 in slot_chunks(s, h, k, d)}
+    return {length: _cached(("attn", row, "bfloat16", device, "bwd_slots"),
+                            lambda row=row: _compile(_build_attn_bwd_slots(*row)))
+            for length, row in rows.items()}
+
+
+def _attn_bwd_atomic_kernels(b, s, n, h, d, k, scale, device) -> tuple:
+    """(Δ/dS/dKV-by-atomics kernel, dQ kernel) of ``DS41_SPARSE_BWD=atomic`` for one shape, built once per process."""
     shape = (b, s, n, h, d, k, float(scale))
     base = ("attn", shape, "bfloat16", device)
+    return (_cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape))),
+            _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6]))))
+
+
+def _attn_bwd_kernels(b, s, n, h, d, k, scale, device, mode) -> list:
+    """Every backward kernel of one shape in ``mode`` (``backward_mode()``), built once per process."""
     if mode == "deterministic":
-        rows = {q1 - q0: (1, q1 - q0, n, h, d, k, float(scale)) for q0, q1 in slot_chunks(s, h, k, d)}
-        first = {length: _cached(("attn", row, "bfloat16", device, "bwd_kv_slots"),
-                                 lambda row=row: _compile(_build_attn_bwd_kv(*row, slot_grads=True)))
-                 for length, row in rows.items()}
-    else:
-        first = _cached(base + ("bwd_kv",), lambda: _compile(_build_attn_bwd_kv(*shape)))
-    return [first, _cached(base + ("bwd_q",), lambda: _compile(_build_attn_bwd_q(*shape[:6])))]
+        return list(_attn_bwd_slot_kernels(b, s, n, h, d, k, scale, device).values())
+    return list(_attn_bwd_atomic_kernels(b, s, n, h, d, k, scale, device))
 
 
 if triton is not None:
@@ -614,27 +727,29 @@ class _SparseAttention(torch.autograd.Function):
         b, s, hp, d = qp.shape
         n, kp = kv.shape[1], idxp.shape[2]
         mode = backward_mode()
-        bwd_kv, bwd_q = _attn_bwd_kernels(b, s, n, hp, d, kp, ctx.scale, _device_key(qp), mode)
+        device = _device_key(qp)
         dop = _pad_heads(do.to(qp.dtype), hp)
         delta = torch.empty((b, s, hp), dtype=torch.float32, device=qp.device)  # Δ = rowsum(dO·O)
-        ds = torch.empty((b, s, hp, kp), dtype=qp.dtype, device=qp.device)
         dq = torch.empty_like(qp)
         if mode == "deterministic":
             # one batch row and at most `chunk` queries at a time bound the per-slot buffer (SLOT_GRAD_BYTES);
             # several chunks add up in an fp32 dkv, in chunk order
+            kernels = _attn_bwd_slot_kernels(b, s, n, hp, d, kp, ctx.scale, device)
             chunks, groups = slot_chunks(s, hp, kp, d), hp // HEADS_PER_BLOCK
             dkv = torch.empty((b, n, d), dtype=kv.dtype if len(chunks) == 1 else torch.float32, device=qp.device)
-            slot_grads = torch.empty((max(bwd_kv) * groups, kp, d), dtype=qp.dtype, device=qp.device)
+            slot_grads = torch.empty((max(kernels) * groups, kp, d), dtype=qp.dtype, device=qp.device)
             for r in range(b):
                 for q0, q1 in chunks:
                     sl, part, grads = slice(r, r + 1), slice(q0, q1), slot_grads[: (q1 - q0) * groups]
-                    bwd_kv[q1 - q0](qp[sl, part], kv[sl], o[sl, part], dop[sl, part], idxp[sl, part],
-                                    lse2[sl, part], delta[sl, part], ds[sl, part], grads.unsqueeze(0))
+                    kernels[q1 - q0](qp[sl, part], kv[sl], o[sl, part], dop[sl, part], idxp[sl, part], lse2[sl, part],
+                                     delta[sl, part], dq[sl, part], grads.unsqueeze(0))
                     _reduce_slot_grads(grads, idxp[r, part], dkv[r], accumulate=q0 > 0)
         else:
+            bwd_kv, bwd_q = _attn_bwd_atomic_kernels(b, s, n, hp, d, kp, ctx.scale, device)
+            ds = torch.empty((b, s, hp, kp), dtype=qp.dtype, device=qp.device)
             dkv = torch.zeros((b, n, d), dtype=torch.float32, device=qp.device)
             bwd_kv(qp, kv, o, dop, idxp, lse2, delta, ds, dkv)
-        bwd_q(kv, idxp, ds, dq)
+            bwd_q(kv, idxp, ds, dq)
         # the sink's softmax probability p = exp2(sink·log2e − lse2) gets dlogit = p·(0 − Δ)
         p_sink = torch.exp2(sink2.view(1, 1, hp) - lse2)[..., :h]
         dsink = -(p_sink * delta[..., :h]).sum(dim=(0, 1))
@@ -716,8 +831,7 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
                 cuda_forward_kernel(padded_slots(kp))
             else:
                 _attn_fwd_kernel(*shape, dev)
-            first, _ = _attn_bwd_kernels(*shape, dev, backward_mode())
-            count += 2 + (len(first) - 1 if isinstance(first, dict) else 0)
+            count += 1 + len(_attn_bwd_kernels(*shape, dev, backward_mode()))
     return count
 
 

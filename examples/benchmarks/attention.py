@@ -89,9 +89,9 @@ def kernel_times(b, s, h, d, topk, ratio, warmup, reps) -> str:
                      f"(CUDA, outputs allocated per call; {ms_tl / ms:.2f}x the TileLang kernel)")
         o, lse2 = sparse_attention_forward_cuda(q, kv, idx, sink2, scale)  # the backward kernels read its outputs
     delta, dq = torch.empty(b, s, h, device="cuda"), torch.empty_like(q)
-    ds = torch.empty(b, s, h, k, device="cuda", dtype=torch.bfloat16)
-    # default (deterministic): per-slot kv gradients, then their fixed-order sum by row (one batch row at a time)
-    slot_kernels, bwd_q = kt._attn_bwd_kernels(b, s, n, h, d, k, scale, dev, "deterministic")
+    # default (deterministic): one kernel for dQ and the per-slot kv gradients, then their fixed-order sum by row
+    # (one batch row at a time)
+    slot_kernels = kt._attn_bwd_slot_kernels(b, s, n, h, d, k, scale, dev)
     if list(slot_kernels) != [s]:
         raise SystemExit(f"s={s} runs as query chunks {sorted(slot_kernels)} (kt.SLOT_GRAD_BYTES): benchmark a shorter s")
     bwd_slots = slot_kernels[s]  # the whole row as one chunk
@@ -101,37 +101,39 @@ def kernel_times(b, s, h, d, topk, ratio, warmup, reps) -> str:
     def slots():
         for r in range(b):
             sl = slice(r, r + 1)
-            bwd_slots(q[sl], kv[sl], o[sl], do[sl], idx[sl], lse2[sl], delta[sl], ds[sl], slot_grads)
+            bwd_slots(q[sl], kv[sl], o[sl], do[sl], idx[sl], lse2[sl], delta[sl], dq[sl], slot_grads)
 
     def reduce():
         for r in range(b):
             kt._reduce_slot_grads(slot_grads[0], idx[r], dkv[r])
 
     ms_slots = time_ms(slots, warmup, reps)
-    lines.append(f"attn_bwd_kv  {ms_slots:.3f} ms {2 * flop / ms_slots / 1e9:6.1f} TFLOP/s (8bshkd); writes per-slot "
-                 f"dkv, {b * s * k * d * 2 / ms_slots / 1e9:.2f} TB/s of bf16 (deterministic, default)")
+    lines.append(f"attn_bwd     {ms_slots:.3f} ms {2.5 * flop / ms_slots / 1e9:6.1f} TFLOP/s (10bshkd); dQ and the per-slot "
+                 f"dkv, {b * s * k * d * 2 / ms_slots / 1e9:.2f} TB/s of bf16 written (deterministic, default)")
     ms_red = time_ms(reduce, warmup, reps)
     lines.append(f"dkv reduce   {ms_red:.3f} ms sort + fixed-order sum by row, {b * s * k * d * 2 / ms_red / 1e9:.2f} TB/s "
                  "of per-slot rows read")
     bits = []
-    for _ in range(3):  # the same inputs three times, with other work in between: bit-identical dkv and ds
+    for _ in range(3):  # the same inputs three times, with other work in between: bit-identical dkv and dq
         slot_grads.normal_()
         dkv.normal_()
+        dq.normal_()
         slots()
         reduce()
-        bits.append((dkv.clone(), ds.clone()))
+        bits.append((dkv.clone(), dq.clone()))
     same = all(torch.equal(x[0], bits[0][0]) and torch.equal(x[1], bits[0][1]) for x in bits[1:])
-    lines.append(f"deterministic dkv, ds bit-identical over 3 runs: {same}")
-    ms_q = time_ms(lambda: bwd_q(kv, idx, ds, dq), warmup, reps)
-    lines.append(f"attn_bwd_q   {ms_q:.3f} ms {flop / 2 / ms_q / 1e9:6.1f} TFLOP/s (2bshkd)")
-    total = ms_slots + ms_red + ms_q
+    lines.append(f"deterministic dkv, dq bit-identical over 3 runs: {same}")
+    total = ms_slots + ms_red
     lines.append(f"bwd kernels  {total:.3f} ms {2.5 * flop / total / 1e9:6.1f} TFLOP/s (10bshkd), deterministic (default)")
-    # opt-in DS41_SPARSE_BWD=atomic: fp32 atomics into dkv
-    bwd_kv = kt._attn_bwd_kernels(b, s, n, h, d, k, scale, dev, "atomic")[0]
+    # opt-in DS41_SPARSE_BWD=atomic: fp32 atomics into dkv, then a separate dQ kernel
+    bwd_kv, bwd_q = kt._attn_bwd_atomic_kernels(b, s, n, h, d, k, scale, dev)
+    ds = torch.empty(b, s, h, k, device="cuda", dtype=torch.bfloat16)
     dkv32 = torch.zeros(b, n, d, device="cuda")
     ms_kv = time_ms(lambda: bwd_kv(q, kv, o, do, idx, lse2, delta, ds, dkv32), warmup, reps)
     lines.append(f"attn_bwd_kv  {ms_kv:.3f} ms {2 * flop / ms_kv / 1e9:6.1f} TFLOP/s (8bshkd); "
                  f"{b * s * k * d * 4 / ms_kv / 1e9:.2f} TB/s of fp32 atomics (DS41_SPARSE_BWD=atomic)")
+    ms_q = time_ms(lambda: bwd_q(kv, idx, ds, dq), warmup, reps)
+    lines.append(f"attn_bwd_q   {ms_q:.3f} ms {flop / 2 / ms_q / 1e9:6.1f} TFLOP/s (2bshkd)")
     lines.append(f"bwd kernels  {ms_kv + ms_q:.3f} ms {2.5 * flop / (ms_kv + ms_q) / 1e9:6.1f} TFLOP/s (10bshkd), atomic")
     n_idx, heads_i, dim_i = s // ratio, 32, 128  # V4.1's indexer: 32 heads x 128
     qi = torch.randn(b, s, heads_i, dim_i, device="cuda").bfloat16()
