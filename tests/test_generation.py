@@ -3,18 +3,20 @@ decode, generate() (greedy / sampling / beam search, left-padded batches, stream
 text-generation / image-text-to-text pipelines, on the golden tiny snapshots."""
 
 import functools
-import importlib.util
 import json
 import sys
 
 import pytest
 import torch
-from conftest import SHARED, golden_dir
+from conftest import REPO, SHARED, golden_dir
 from safetensors.torch import load_file
 
 from deepseek_v41.cache_deepseek_v41 import DeepseekV41Cache, cache_bytes_per_token
 from deepseek_v41.modeling_deepseek_v41 import returned_cache
 from deepseek_v41.parity import GATES, gate_failures, logits_metrics
+
+sys.path.insert(0, str(REPO / "conversion"))
+import compare_with_official as tool
 
 DECODE_STEPS = 40
 # Prompt lengths around the tiny config's boundaries (window 16, ratio-2 groups, ratio-1 candidate blocks of 4
@@ -129,13 +131,8 @@ def test_decode_equals_full_forward_bf16(model_bf16, golden_ids):
 def official_model(snapshot, ours, max_seq_len):
     """The official model.py (bf16, CPU kernels of ../shared/official_v41) with our loaded bf16 weights."""
     official = SHARED / "official_v41"
-    sys.path.insert(0, str(official))  # its `from kernel import ...` finds the CPU kernels
-    try:
-        spec = importlib.util.spec_from_file_location("official_v41_model", official / "model.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(official))
+    tool.install_kernels(official / "kernel.py")  # its `from kernel import ...` gets the CPU kernels
+    module = tool.import_official_model(official)
     from transformers import AutoTokenizer
 
     args = json.loads((snapshot.parent / "reference" / "official_args.json").read_text())
@@ -237,7 +234,8 @@ def test_left_padded_batch_generates_each_prompt_as_alone(model_bf16, golden_ids
 @torch.no_grad()
 def test_beam_search_with_cache_equals_without(model_fp32, golden_ids):
     prompt = golden_ids[:1, :11]
-    kwargs = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False, eos_token_id=None)
+    kwargs = {"max_new_tokens": 8, "num_beams": 3, "num_return_sequences": 2, "do_sample": False,
+              "eos_token_id": None}
     cached = model_fp32.generate(prompt, **kwargs)
     recomputed = model_fp32.generate(prompt, use_cache=False, **kwargs)
     assert cached.shape == (2, 19) and torch.equal(cached, recomputed)

@@ -84,7 +84,7 @@ GOOD_ROW = '{"ctx": "A man sits.", "endings": ["He stands.", "He sleeps."], "lab
 ])
 def test_bad_row_is_named_by_file_and_line(tmp_path, line, fragment):
     file = tmp_path / "train.jsonl"
-    file.write_text("\n".join([GOOD_ROW, "", GOOD_ROW, line, GOOD_ROW]) + "\n")
+    file.write_text(f"{GOOD_ROW}\n\n{GOOD_ROW}\n{line}\n{GOOD_ROW}\n")
     with pytest.raises(ValueError, match=rf"{file}:4: .*{fragment}"):
         data.read_hellaswag(tmp_path, "train")
 

@@ -44,7 +44,7 @@ def test_flagship_recipe_runs_two_updates_on_cpu(tmp_path):
     env = {**torchrun_env(), "DS41_CHECKPOINT": str(ckpt)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "examples" / "finetune.py"), "--config", str(FLAGSHIP), *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]

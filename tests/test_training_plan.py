@@ -28,7 +28,7 @@ def released():
 
 
 def test_released_inventory_matches_the_architecture(released):
-    _, config, inventory, _ = released
+    inventory = released[2]
     total = sum(n for _, n, _, _ in inventory)
     engram = sum(n for name, n, _, _ in inventory if ".engram.embed." in name)
     experts = sum(n for name, n, _, _ in inventory if ".ffn.experts.w" in name)
@@ -164,7 +164,8 @@ def test_cli_prints_the_plan(tmp_path):
     out = subprocess.run([sys.executable, "-m", "deepseek_v41.training.plan", "examples/configs/tiny_cpu.yaml",
                           "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem-gib", "0.05",
                           f"--model.config.pretrained_model_name_or_path={ckpt}"],
-                         env=torchrun_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+                         env=torchrun_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
+                         check=False)
     assert out.returncode == 1, out.stderr[-3000:]  # 50 MiB cannot hold the tiny model's fp32 logits
     assert "9 layers, 8 routed experts" in out.stdout and "fits: NO" in out.stdout
     assert "activations: one block live (recompute)" in out.stdout
