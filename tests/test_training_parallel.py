@@ -208,6 +208,7 @@ def _model_case(checkpoint: str, out_dir: str, backend: str):
             "model.config.pretrained_model_name_or_path": checkpoint,
             "model.config.dtype": "float32",
             "fsdp.param_dtype": "float32",
+            "fsdp.activation_checkpointing": True,  # the gradients through recomputed FSDP blocks
             "distributed.backend": backend,
             "distributed.ep_size": ep,
             "model.config.backend": {"dispatcher": "torch" if ep > 1 else "local"},

@@ -163,7 +163,7 @@ def test_cli_prints_the_plan(tmp_path):
     make_tiny_checkpoint(ckpt)
     out = subprocess.run([sys.executable, "-m", "deepseek_v41.training.plan", "examples/configs/tiny_cpu.yaml",
                           "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem-gib", "0.05",
-                          f"--model.config.pretrained_model_name_or_path={ckpt}"],
+                          f"--model.config.pretrained_model_name_or_path={ckpt}", "--fsdp.activation_checkpointing=true"],
                          env=torchrun_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
                          check=False)
     assert out.returncode == 1, out.stderr[-3000:]  # 50 MiB cannot hold the tiny model's fp32 logits
