@@ -372,8 +372,9 @@ def _build_attn_bwd_slots(batch, seq, n_kv, heads, dim, slots, scale, threads=25
     # block's rows are gathered (cp.async into the same buffer, the only [64, d] buffer that fits next to Q and
     # dO) while the kv gradients dSᵀQ + PᵀdO are computed and stored `chunk` columns at a time through a small
     # swizzled staging tile.  A [64, chunk] accumulator (not [64, d]) leaves registers for the [64, d] dQ one.
-    # H200, V4.1 shape (s 4096, k 640, d 512): 2.59 ms, against 3.42 ms for the per-slot kernel that staged its
-    # whole [64, d] tile through the gather buffer (no overlap) plus 0.71 ms for a separate dQ kernel.
+    # H200, V4.1 shape (s 4096, k 640, d 512; 173a9e2, 2026-12-02): 2.59-2.63 ms, against 3.42 ms for a per-slot
+    # kernel that staged its whole [64, d] tile through the gather buffer (no overlap) plus 0.71 ms for a separate
+    # dQ kernel (examples/benchmarks/results/attention_h200.txt).
     HB, BI, DC = HEADS_PER_BLOCK, SLOTS_PER_BLOCK, 64
     n_hblk, n_steps = heads // HB, slots // BI
     chunk = 128 if dim % 128 == 0 else 64
@@ -648,8 +649,8 @@ def _reduce_slot_grads(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, ac
     s, k = idx.shape
     n, d = out.shape
     heads_blocks = g.shape[0] // s
-    # 16-bit keys where the rows allow it: the radix sort then makes half the passes (H200, s 4096 x 640 slots:
-    # 0.12 against 0.18 ms)
+    # 16-bit keys where the rows allow it: the radix sort then makes half the passes (H200, s 4096 x 640 slots,
+    # 2026-12-02: 0.12 against 0.18 ms)
     key_dtype = torch.int16 if n < torch.iinfo(torch.int16).max else torch.int32
     keys = torch.where(idx >= 0, idx, n).to(key_dtype).unsqueeze(1).expand(s, heads_blocks, k).reshape(-1)
     sorted_keys, order = torch.sort(keys, stable=True)
