@@ -18,7 +18,7 @@ new token per row, each row at its own position) reads it: the window ring, the 
 import torch
 from torch import nn
 
-from .layers import FrozenLinear, is_plain_linear, make_linear, make_rms_norm
+from .layers import Fp32Linear, FrozenLinear, is_plain_linear, make_fp32_linear, make_linear, make_rms_norm
 from .quantization import quant_ops
 from .rope import apply_rope, rope_cis, rope_frequencies
 from .sparse_attention import indexer_scores_torch, sparse_attention_torch
@@ -107,10 +107,11 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio = ratio
         # Ratio 2 holds and computes wkv/wgate in fp32 (an fp32 island); ratio 1 keeps wkv in the model dtype.
-        fp32 = torch.float32 if ratio == 2 else None
-        self.wkv = make_linear(config.hidden_size, config.head_dim, backend, dtype=fp32)
         if ratio == 2:
-            self.wgate = make_linear(config.hidden_size, config.head_dim, backend, dtype=fp32)
+            self.wkv = make_fp32_linear(config.hidden_size, config.head_dim, backend)
+            self.wgate = make_fp32_linear(config.hidden_size, config.head_dim, backend)
+        else:
+            self.wkv = make_linear(config.hidden_size, config.head_dim, backend)
         self.norm = make_rms_norm(config.head_dim, config.rms_norm_eps, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +123,10 @@ class Compressor(nn.Module):
         return self.pool(kv.unflatten(1, (T, self.ratio)), score.unflatten(1, (T, self.ratio)), x.dtype)
 
     def project(self, x: torch.Tensor):
-        # x [..., dim] -> fp32 (kv, gate score) [..., head_dim] (ratio > 1)
+        # x [..., dim] -> fp32 (kv, gate score) [..., head_dim] (ratio > 1).  Fp32Linear takes x as it is (bf16
+        # is exact, and its emulated GEMM then needs fewer products); anything else (TE, a PEFT wrapper) gets fp32
+        if type(self.wkv) is Fp32Linear and type(self.wgate) is Fp32Linear:
+            return self.wkv(x), self.wgate(x)
         x32 = x.float()
         return self.wkv(x32), self.wgate(x32)
 

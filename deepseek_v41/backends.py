@@ -17,6 +17,7 @@ DEFAULT_BACKEND = {
     "experts": "torch_mm",
     "dispatcher": "local",
     "head": "fp32",
+    "fp32_linear": "fp32",
     "mhc": "torch",
     "engram": "torch",
     "quant": "torch",
@@ -36,6 +37,9 @@ _REGISTRY = {
     "dispatcher": {"local": ((), False), "torch": ((), False), "hybridep": (("deep_ep",), True)},
     # the fp32 head GEMM: "fp32" IEEE, or "bf16x3" (fp32 emulated on bf16 tensor cores; layers.head_bf16x3)
     "head": {"fp32": ((), False), "bf16x3": ((), False)},
+    # the fp32 GEMMs inside the blocks (the router's scores, the ratio-2 compressor's wkv/wgate): "fp32" IEEE,
+    # or "bf16x3" (emulated on bf16 tensor cores; layers.linear_bf16x3)
+    "fp32_linear": {"fp32": ((), False), "bf16x3": ((), False)},
     # mHC mixing: eager fp32 ops, or tile-kernels' fused kernels (bf16 streams; mhc_tile_kernels.py)
     "mhc": {"torch": ((), False), "tile_kernels": (("tile_kernels",), True)},
     # the Engram gate and the KV/index quantize->dequantize boundaries, eager or as tile-kernels' fused kernels

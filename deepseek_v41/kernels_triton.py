@@ -16,6 +16,8 @@ the MoE combine and the experts' weighted SwiGLU.
   [n, k, dim] view and the casts and add of the shared expert's output.
 * ``weighted_swiglu_triton``: ``moe.weighted_swiglu`` (clamped SwiGLU times the routing weight, fp32 math, one
   rounding) and its backward (gate, up and weight gradients), one kernel each way.
+* ``mix_dx_triton``: the input gradient of mHC's mix GEMM (``mhc_tile_kernels``), the 24-wide product and the
+  RMS term in one pass.
 
 Triton ships with the CUDA builds of PyTorch; on CPU (or without Triton) the callers use eager PyTorch.
 """
@@ -202,6 +204,26 @@ if triton is not None:
             tl.store(dup_ptr + off, du.to(dup_ptr.dtype.element_ty), mask=mask)
         tl.store(dw_ptr + rows, dw, mask=live)
 
+    @triton.jit
+    def _mix_dx_kernel(gy_ptr, fn_ptr, coef_ptr, x_ptr, dx_ptr, m, K, N: tl.constexpr, N_PAD: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # dx [m, K] = gy [m, N] · fn [N, K] − coef·x in fp32 (an IEEE fp32 dot: fused multiply-adds, N zero-padded
+        # to N_PAD), rounded once to dx's dtype.  N (the mix count, 24) is a short inner dimension: x is read and
+        # dx written once, and the fp32 product never goes to memory
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ns = tl.arange(0, N_PAD)
+        rmask, cmask, nmask = rows < m, cols < K, ns < N
+        g = tl.load(gy_ptr + rows[:, None] * N + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+        f = tl.load(fn_ptr + ns[:, None] * K + cols[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
+        acc = tl.dot(g, f, input_precision="ieee")
+        off = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(coef_ptr + rows, mask=rmask, other=0.0)
+        tl.store(dx_ptr + off, (acc - c[:, None] * x).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 def rope_kernel_fits(x: torch.Tensor, rd: int) -> bool:
     """Whether ``rope_rotate`` takes x [.., d] with rd rotated channels: contiguous, rd a power of two <= d."""
     return x.is_contiguous() and rd & (rd - 1) == 0 and rd <= x.shape[-1]
@@ -327,3 +349,19 @@ class _WeightedSwiGLU(torch.autograd.Function):
 def weighted_swiglu_triton(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float):
     """``moe.weighted_swiglu`` on CUDA: gate, up [m, inter], weights fp32 [m] -> [m, inter] in gate's dtype."""
     return _WeightedSwiGLU.apply(gate, up, weights, limit)
+
+
+def mix_dx_triton(g_y: torch.Tensor, fn: torch.Tensor, coef: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The mHC mix GEMM's input gradient in one pass: g_y fp32 [m, N] · fn fp32 [N, K] − coef fp32 [m, 1] · x
+    [m, K], in fp32, rounded once to x's dtype.  With N = (2+hc)·hc = 24 the product's inner dimension is too
+    short for a GEMM to pay: writing its fp32 [m, K] result and subtracting coef·x in a second pass is what this
+    replaces (examples/benchmarks/fp32_islands.py)."""
+    m, k = x.shape
+    n = fn.shape[0]
+    dx = torch.empty_like(x)
+    block_r, block_c = 128, 256  # H200, m 16384 x K 20480: 0.83 ms; 64 x 128: 0.85; per-element FMA loop: 1.17
+    _mix_dx_kernel[(triton.cdiv(m, block_r), triton.cdiv(k, block_c))](
+        g_y.float().contiguous(), fn.float().contiguous(), coef.float().contiguous(), x.contiguous(), dx, m, k, N=n,
+        N_PAD=max(16, triton.next_power_of_2(n)), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8,
+    )
+    return dx

@@ -58,6 +58,14 @@ def make_linear(in_features: int, out_features: int, backend: dict, bias: bool =
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 
+def make_fp32_linear(in_features: int, out_features: int, backend: dict) -> nn.Module:
+    """An fp32 projection computed in fp32: ``Fp32Linear`` (``torch`` linear backend), or Transformer Engine's
+    Linear with fp32 parameters (``te``; the caller gives it fp32 input)."""
+    if backend["linear"] == "te":
+        return make_linear(in_features, out_features, backend, dtype=torch.float32)
+    return Fp32Linear(in_features, out_features, backend)
+
+
 def is_plain_linear(module: nn.Module) -> bool:
     """True for an unwrapped ``nn.Linear`` / TE ``Linear``: the fast paths (the grouped wo_a GEMM, the bf16x3
     head) may then read its ``weight``.  Anything else (a PEFT LoRA layer, a replaced module) is called as a
@@ -318,6 +326,57 @@ def head_bf16x3_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: to
         x.reshape(-1, x.shape[-1]), weight.float(), targets.reshape(-1).contiguous()
     )
     return logits.view(*lead, weight.shape[0]), loss_sum
+
+
+class _LinearFp32Emulated(torch.autograd.Function):
+    # y fp32 [n, V] = x [n, D] · W [V, D]ᵀ and both gradients, each product through mm_bf16x3 (fp32 accuracy on
+    # bf16 tensor cores; a bf16 operand is exact and adds no products).  Laid out for a narrow V (a router's
+    # experts, a compressor's 512 channels): no copy of the wide x, unlike the head's [x | x] layout.
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return mm_bf16x3(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.float()
+        grad_x = mm_bf16x3(grad, weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = mm_bf16x3(grad.t(), x).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x · Wᵀ`` of the fp32-upcast operands: an IEEE fp32 GEMM (the reference numerics)."""
+    return nn.functional.linear(x.float(), weight.float())
+
+
+def linear_bf16x3(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear_fp32`` emulated on bf16 tensor cores (``mm_bf16x3``, ~1e-5 relative), gradients included:
+    x [..., D] and weight [V, D] in bf16 (exact) or fp32 -> fp32 [..., V]; the gradients come back in each
+    operand's dtype."""
+    lead = x.shape[:-1]
+    y = _LinearFp32Emulated.apply(x.reshape(-1, x.shape[-1]), weight)
+    return y.view(*lead, weight.shape[0])
+
+
+def make_fp32_matmul(backend: dict):
+    """``(x, weight) -> fp32 x·Wᵀ`` for the fp32 GEMMs inside the blocks (the router's scores, the ratio-2
+    compressor), by ``backend["fp32_linear"]``: ``fp32`` (IEEE) or ``bf16x3`` (emulated)."""
+    return {"fp32": linear_fp32, "bf16x3": linear_bf16x3}[backend["fp32_linear"]]
+
+
+class Fp32Linear(nn.Linear):
+    """An fp32 island's projection (the ratio-2 compressor's ``wkv`` / ``wgate``): fp32 weight, input of any
+    float dtype, ``x · Wᵀ`` computed and returned in fp32 by ``backend["fp32_linear"]``.  An ``nn.Linear`` (same
+    parameter, same state-dict name), so FSDP, PEFT and the checkpoint code treat it as one."""
+
+    def __init__(self, in_features: int, out_features: int, backend: dict):
+        super().__init__(in_features, out_features, bias=False, dtype=torch.float32)
+        self.matmul = make_fp32_matmul(backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight)
 
 
 def make_head_matmul(backend: dict):

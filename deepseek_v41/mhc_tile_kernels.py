@@ -23,7 +23,8 @@ try:  # optional GPU dependency (backends.check_available names it); in try so r
 except ImportError:
     tkm = None
 
-from .layers import compiled_on_cuda, mm_bf16x3
+from .kernels_triton import mix_dx_triton, triton_usable
+from .layers import mm_bf16x3
 
 POST_MULT = 2.0  # post = 2 · sigmoid(...)
 
@@ -106,7 +107,8 @@ class _Post(torch.autograd.Function):
 class _MixLogitsBf16x3(torch.autograd.Function):
     # x bf16 [m, K], fn fp32 [N, K] -> fp32 [m, N] = (x · fnᵀ) · r with r = rsqrt(mean(x²) + eps) per row.
     # The GEMMs run on bf16 tensor cores (mm_bf16x3; x is exact in bf16, so two products), the mean square
-    # is reduced from bf16 in fp32, and dx is formed in fp32 and rounded to bf16 once.
+    # is reduced from bf16 in fp32, and dx is formed in fp32 and rounded to bf16 once (on CUDA by one Triton
+    # pass, kernels_triton.mix_dx_triton: its 24-long inner dimension is too short for tensor cores).
     @staticmethod
     def forward(ctx, x, fn, eps):
         k = x.shape[-1]
@@ -122,19 +124,11 @@ class _MixLogitsBf16x3(torch.autograd.Function):
         g_y = grad * r  # [m, N]
         # d(y·r)/dx = g_y · fn + (Σ_n grad·y) · dr/dx, dr/dx = −r³ x / K
         coef = (grad * y).sum(-1, keepdim=True) * r.pow(3) / k  # [m, 1]
-        dx = _subtract_scaled_rows_fused(mm_bf16x3(g_y, fn), coef, x)
+        if triton_usable(x):  # one pass: the 24-wide product in fp32 and the RMS term, rounded once
+            dx = mix_dx_triton(g_y, fn, coef, x)
+        else:  # fp32 a [m, K] − coef · x in fp32, rounded once to x's dtype
+            dx = torch.addcmul(mm_bf16x3(g_y, fn), coef, x.float(), value=-1.0).to(x.dtype)
         return dx, mm_bf16x3(g_y.t(), x), None
-
-
-def _subtract_scaled_rows(a, coef, x):
-    # fp32 a [m, K] − coef [m, 1] · x [m, K] in fp32, rounded once to x's dtype: one pass on CUDA.  (Eager CUDA
-    # addcmul with a bf16 x costs two more passes over [tokens, 4·hidden] and, measured on the H200, was up to
-    # two bf16 steps off the rounded exact value; tests/gpu/test_fused_elementwise_gpu.py.)
-    return torch.addcmul(a, coef, x, value=-1.0).to(x.dtype)
-
-
-# (no emulate_precision_casts here: with it, Inductor reproduced eager CUDA's result bit for bit, error included)
-_subtract_scaled_rows_fused = compiled_on_cuda(_subtract_scaled_rows, dynamic=True)
 
 
 def hc_mix_logits_bf16x3(x, fn, norm_eps: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .kernels_triton import gather_sum_rows, triton_usable, weighted_swiglu_triton
-from .layers import make_linear
+from .layers import make_fp32_matmul, make_linear
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -108,8 +108,9 @@ def dispatch_top_k(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor
 class Router(nn.Module):
     """Scores in fp32, selects with the fixed correction bias (``bias_vl`` on image tokens), weighs unbiased."""
 
-    def __init__(self, config, has_image_bias: bool):
+    def __init__(self, config, backend: dict, has_image_bias: bool):
         super().__init__()
+        self.score_matmul = make_fp32_matmul(backend)  # fp32 x·Wᵀ: IEEE, or emulated on bf16 tensor cores
         self.top_k = config.num_experts_per_tok
         self.score_func = config.scoring_func
         self.gate_temp = config.gate_temp
@@ -123,7 +124,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None):
         # x [n, dim], image_mask [n] bool | None -> weights fp32 [n, k], expert ids int64 [n, k]
-        logits = F.linear(x.float(), self.weight.float()) / self.gate_temp
+        logits = self.score_matmul(x, self.weight) / self.gate_temp
         if self.score_func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
         elif self.score_func == "softmax":
@@ -228,7 +229,7 @@ class Expert(nn.Module):
 class MoE(nn.Module):
     def __init__(self, config, backend: dict, has_image_bias: bool):
         super().__init__()
-        self.gate = Router(config, has_image_bias)
+        self.gate = Router(config, backend, has_image_bias)
         self.experts = RoutedExperts(config, backend)
         self.shared_experts = Expert(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit, backend

@@ -201,12 +201,13 @@ def test_compiled_moe_runs_without_recompiling(experts, dtype):
     from conftest import tiny_config
     from torch._dynamo.utils import counters
 
+    from deepseek_v41.backends import resolve_backend
     from deepseek_v41.modeling_deepseek_v41 import default_dtype
     from deepseek_v41.moe import MoE
 
     torch.manual_seed(0)
     with default_dtype(dtype):
-        moe = MoE(tiny_config().text_config, {"experts": experts, "linear": "torch"}, False)
+        moe = MoE(tiny_config().text_config, resolve_backend({"experts": experts}), False)
     for weight in (moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.gate.weight):
         torch.nn.init.normal_(weight, std=0.2)
     torch._dynamo.reset()

@@ -417,6 +417,50 @@ def test_bf16x3_head_matches_the_fp32_head_with_gradients(v4_tokenizer):
         assert rel_err(grad_emu, grad_ref) < 3e-5, name  # measured <= 4e-6
 
 
+def test_emulated_fp32_linear_is_fp32_accurate_with_gradients():
+    # linear_bf16x3 (the fp32_linear: bf16x3 backend) against float64: a bf16 input with an fp32 weight (the
+    # ratio-2 compressor) and with a bf16 weight (the router); each gradient comes back in its operand's dtype
+    from deepseek_v41.layers import linear_bf16x3
+
+    g = torch.Generator().manual_seed(4)
+    for w_dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 40, 256, generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(48, 256, generator=g) * 0.05).to(w_dtype).requires_grad_()
+        dy = torch.randn(3, 40, 48, generator=g)
+        y = linear_bf16x3(x, w)
+        y.backward(dy)
+        x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double()
+        assert y.dtype == torch.float32 and y.shape == (3, 40, 48)
+        assert rel_err(y, x64 @ w64.t()) < 2e-5
+        assert w.grad.dtype == w_dtype and x.grad.dtype == torch.bfloat16
+        grad_w = torch.einsum("bsv,bsd->vd", dy64, x64)
+        assert rel_err(w.grad, grad_w) < (2e-5 if w_dtype == torch.float32 else 4e-3)  # bf16: its own rounding
+        assert rel_err(x.grad, (dy64 @ w64).bfloat16()) < 1e-3  # rounded once to bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_linear_backend_matches_the_ieee_fp32_islands_with_gradients(v4_tokenizer, dtype):
+    # backend fp32_linear: bf16x3 (router scores, ratio-2 compressor) against the IEEE default
+    from deepseek_v41.layers import Fp32Linear
+
+    ref = tiny_model(v4_tokenizer, dtype=dtype).train()
+    emu = tiny_model(v4_tokenizer, dtype=dtype, backend={"fp32_linear": "bf16x3"}).train()
+    emu.load_state_dict(ref.state_dict())
+    compressors = [n for n, m in emu.named_modules() if type(m) is Fp32Linear]
+    assert compressors and all(emu.get_submodule(n).weight.dtype == torch.float32 for n in compressors)
+    assert emu.state_dict().keys() == ref.state_dict().keys()
+    ids = ids_batch(s=32)
+    out_ref, out_emu = ref(ids, labels=ids), emu(ids, labels=ids)
+    errs = {"logits": rel_err(out_emu.logits, out_ref.logits)}
+    out_ref.loss.backward()
+    out_emu.loss.backward()
+    for name in (compressors[0] + ".weight", "layers.8.ffn.gate.weight"):
+        grad_ref, grad_emu = ref.get_parameter(name).grad, emu.get_parameter(name).grad
+        assert grad_emu is not None and grad_emu.dtype == grad_ref.dtype
+        errs[name] = rel_err(grad_emu, grad_ref)
+    assert all(e < (3e-5 if dtype == torch.float32 else 1e-4) for e in errs.values()), errs  # measured <= 5e-6
+
+
 def test_bf16x3_skips_the_zero_low_half_of_a_bf16_operand(monkeypatch):
     from deepseek_v41 import layers
 

@@ -16,7 +16,7 @@ def test_shipped_recipes_parse(monkeypatch):
     assert flash["distributed"]["ep_size"] == 64 and flash["distributed"]["engram_owners"] == 64
     assert flash["model"]["config"]["backend"] == {
         "attn": "tilelang", "linear": "torch", "rms_norm": "torch_fp32", "experts": "torch_mm", "dispatcher": "torch",
-        "head": "fp32", "mhc": "tile_kernels", "engram": "tile_kernels", "quant": "tile_kernels"}
+        "head": "fp32", "fp32_linear": "fp32", "mhc": "tile_kernels", "engram": "tile_kernels", "quant": "tile_kernels"}
     assert flash["model"]["config"]["vision_config"] == {"num_hidden_layers": 0}
     assert flash["optimizer"]["lr"] == 1e-5 and flash["optimizer"]["betas"] == [0.9, 0.95]
     assert flash["lr_scheduler"]["lr_warmup_steps"] == 10 and flash["lr_scheduler"]["min_lr"] == 1e-6

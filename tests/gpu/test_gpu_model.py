@@ -14,11 +14,35 @@ AVAILABLE, REASON = kt.tilelang_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not AVAILABLE, reason=REASON)]
 
 
-def test_tiny_model_gpu_backends_match_torch():
-    """tilelang in bf16 is no further from the fp32 model than the torch backend in bf16 is (the gate is
-    explained in gpu_metrics.assert_bf16_backend_as_close_to_fp32); V4.1's per-head dims, tiny widths."""
+@pytest.mark.parametrize("candidate", [{"attn": "tilelang"},
+                                       {"attn": "tilelang", "head": "bf16x3", "fp32_linear": "bf16x3"}])
+def test_tiny_model_gpu_backends_match_torch(candidate):
+    """tilelang in bf16 (and with the fp32 GEMMs emulated on bf16 tensor cores) is no further from the fp32
+    model than the torch backend in bf16 is (the gate is explained in
+    gpu_metrics.assert_bf16_backend_as_close_to_fp32); V4.1's per-head dims, tiny widths."""
     heads = {"head_dim": 512, "qk_rope_head_dim": 64, "index_n_heads": 32, "index_head_dim": 128}
-    assert_bf16_backend_as_close_to_fp32({"attn": "torch"}, {"attn": "tilelang"}, text=heads)
+    assert_bf16_backend_as_close_to_fp32({"attn": "torch"}, candidate, text=heads)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_emulated_fp32_linear_on_tensor_cores(w_dtype):
+    # linear_bf16x3 (fp32_linear: bf16x3) at the released widths on the GPU's tensor cores: the ratio-2
+    # compressor (fp32 W [512, 5120]) and the router (bf16 W [384, 5120]), bf16 x
+    from deepseek_v41.layers import linear_bf16x3
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(2048, 5120, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(512 if w_dtype == torch.float32 else 384, 5120, device="cuda", generator=g) * 0.02)
+    w = w.to(w_dtype).requires_grad_()
+    dy = torch.randn(2048, w.shape[0], device="cuda", generator=g)
+    y = linear_bf16x3(x, w)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double()
+    errs = rel_err(y, x64 @ w64.t()), rel_err(gw, dy64.t() @ x64), rel_err(gx, (dy64 @ w64).bfloat16())
+    print(f"fp32_linear bf16x3 rel err ({w_dtype}): y {errs[0]:.2e}, grad_w {errs[1]:.2e}, grad_x {errs[2]:.2e}")
+    assert y.dtype == torch.float32 and gx.dtype == torch.bfloat16 and gw.dtype == w_dtype
+    assert errs[0] < 5e-5 and errs[2] < 1e-3
+    assert errs[1] < (5e-5 if w_dtype == torch.float32 else 4e-3)  # a bf16 weight's gradient is rounded to bf16
 
 
 def test_bf16x3_head_matmul_on_tensor_cores():

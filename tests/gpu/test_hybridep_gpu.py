@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from gpu_metrics import rel_err
 
+from deepseek_v41.backends import resolve_backend
 from deepseek_v41.moe import MoE
 from deepseek_v41.training.expert_parallel import AllToAllDispatcher, make_dispatcher
 from deepseek_v41.training.hybridep import HybridEPDispatcher
@@ -53,7 +54,7 @@ def group():
 
 def moe_copies(group):
     torch.manual_seed(0)
-    base = MoE(CONFIG, {"experts": "torch_mm", "linear": "torch"}, has_image_bias=False).cuda()
+    base = MoE(CONFIG, resolve_backend({"experts": "torch_mm"}), has_image_bias=False).cuda()
     with torch.no_grad():
         for name, p in base.named_parameters():
             p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)

@@ -1,0 +1,91 @@
+"""The fp32 GEMMs inside the decoder blocks on one GPU, each next to the code it replaced (same run).
+
+    python examples/benchmarks/fp32_islands.py [--tokens 16384]
+
+- The router's scores, x bf16 [tokens, 5120] · W bf16 [384, 5120]ᵀ in fp32, and the ratio-2 compressor's
+  ``wkv`` and ``wgate``, x bf16 · W fp32 [512, 5120]ᵀ each: the IEEE fp32 GEMM of the upcast operands
+  (``layers.linear_fp32``, backend ``fp32_linear: fp32``) against its bf16 tensor-core emulation
+  (``layers.linear_bf16x3``, ``fp32_linear: bf16x3``), forward and forward + backward, with the emulation's
+  error against float64.
+- mHC's mix-GEMM input gradient dx = g_y [tokens, 24] · fn [24, 20480] − coef·x [tokens, 20480]: one Triton
+  pass (``kernels_triton.mix_dx_triton``) against the bf16x3 product written in fp32 and a compiled
+  subtract-and-round pass (the previous code).
+CUDA-event medians of 20 after 3 warm-up; TFLOP/s count the fp32 products once (2·m·n·k each).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import time_ms
+
+from deepseek_v41 import layers
+from deepseek_v41.kernels_triton import mix_dx_triton
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def linears(tokens: int, g: torch.Generator) -> None:
+    x = torch.randn(tokens, 5120, device="cuda", generator=g).bfloat16().requires_grad_()
+    cases = [("router 384 experts, bf16 W", (torch.randn(384, 5120, device="cuda", generator=g) * 0.02).bfloat16()),
+             ("compressor wkv, fp32 W", torch.randn(512, 5120, device="cuda", generator=g) * 0.02)]
+    for name, w in cases:
+        w.requires_grad_()
+        dy = torch.randn(tokens, w.shape[0], device="cuda", generator=g)
+        flop = 2 * tokens * w.shape[0] * w.shape[1]
+        times = {}
+        for label, fn in [("IEEE fp32 (old)", layers.linear_fp32), ("bf16x3 (new)", layers.linear_bf16x3)]:
+            fwd = time_ms(lambda fn=fn, w=w: fn(x, w), 3, 20)
+            both = time_ms(lambda fn=fn, w=w, dy=dy: torch.autograd.grad(fn(x, w), (x, w), dy), 3, 20)
+            times[label] = (fwd, both)
+            print(f"{name:28s} {label:16s} forward {fwd:.3f} ms ({flop / fwd / 1e9:6.1f} TFLOP/s), "
+                  f"forward + backward {both:.3f} ms ({3 * flop / both / 1e9:6.1f} TFLOP/s)", flush=True)
+        (fo, bo), (fn_, bn) = times.values()
+        print(f"{name:28s} speed-up: forward {fo / fn_:.2f}x, forward + backward {bo / bn:.2f}x")
+        y = layers.linear_bf16x3(x, w)
+        gx, gw = torch.autograd.grad(y, (x, w), dy)
+        x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double()
+        print(f"{name:28s} bf16x3 rel err vs float64: y {rel_err(y, x64 @ w64.t()):.1e}, "
+              f"grad_w {rel_err(gw, dy64.t() @ x64):.1e}, grad_x {rel_err(gx, dy64 @ w64):.1e} (bf16 out)")
+
+
+def mix_dx(tokens: int, g: torch.Generator) -> None:
+    k, n = 20480, 24
+    g_y = torch.randn(tokens, n, device="cuda", generator=g)
+    fn = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    coef = torch.randn(tokens, 1, device="cuda", generator=g) * 1e-2
+    x = torch.randn(tokens, k, device="cuda", generator=g).bfloat16()
+    subtract = layers.compiled_on_cuda(lambda a, c, xx: torch.addcmul(a, c, xx, value=-1.0).to(xx.dtype), dynamic=True)
+
+    def previous():
+        return subtract(layers.mm_bf16x3(g_y, fn), coef, x)
+
+    gb = 2 * x.numel() * 2 / 1e9  # read x, write dx
+    old = time_ms(previous, 3, 20)
+    new = time_ms(lambda: mix_dx_triton(g_y, fn, coef, x), 3, 20)
+    exact = g_y.double() @ fn.double() - coef.double() * x.double()
+    print(f"mHC mix dx [{tokens}, {k}]: GEMM + compiled subtract (old) {old:.3f} ms, Triton one pass (new) {new:.3f} ms "
+          f"({gb / new:.2f} TB/s reading x and writing dx), {old / new:.2f}x; rel err vs float64: old "
+          f"{rel_err(previous(), exact):.1e}, new {rel_err(mix_dx_triton(g_y, fn, coef, x), exact):.1e}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per micro-batch (4 x 4096 by default)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("fp32_islands.py needs a CUDA GPU")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.tokens} tokens")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    linears(args.tokens, g)
+    mix_dx(args.tokens, g)
+
+
+if __name__ == "__main__":
+    main()
