@@ -302,8 +302,9 @@ def cross_entropy_grad_hi_lo(logits, lse, targets, grad_loss, grad_logits, out) 
     out[:n], out[n:] = _split_bf16(g)
 
 
-def head_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``fp32`` head backend (default, the reference numerics): an IEEE fp32 GEMM."""
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x · Wᵀ`` of the fp32-upcast operands, an IEEE fp32 GEMM (the reference numerics): the ``fp32``
+    backend of the head and of ``fp32_linear``."""
     return nn.functional.linear(x.float(), weight.float())
 
 
@@ -346,11 +347,6 @@ class _LinearFp32Emulated(torch.autograd.Function):
         return grad_x, grad_w
 
 
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x · Wᵀ`` of the fp32-upcast operands: an IEEE fp32 GEMM (the reference numerics)."""
-    return nn.functional.linear(x.float(), weight.float())
-
-
 def linear_bf16x3(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``linear_fp32`` emulated on bf16 tensor cores (``mm_bf16x3``, ~1e-5 relative), gradients included:
     x [..., D] and weight [V, D] in bf16 (exact) or fp32 -> fp32 [..., V]; the gradients come back in each
@@ -381,7 +377,7 @@ class Fp32Linear(nn.Linear):
 
 def make_head_matmul(backend: dict):
     """The head's ``(x, weight) -> fp32 logits`` function for ``backend["head"]``."""
-    return {"fp32": head_fp32, "bf16x3": head_bf16x3}[backend["head"]]
+    return {"fp32": linear_fp32, "bf16x3": head_bf16x3}[backend["head"]]
 
 
 def make_head_loss(backend: dict):
