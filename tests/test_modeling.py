@@ -440,25 +440,43 @@ def test_emulated_fp32_linear_is_fp32_accurate_with_gradients():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp32_linear_backend_matches_the_ieee_fp32_islands_with_gradients(v4_tokenizer, dtype):
-    # backend fp32_linear: bf16x3 (router scores, ratio-2 compressor) against the IEEE default
-    from deepseek_v41.layers import Fp32Linear
+    # backend fp32_linear: bf16x3 reaches the routers' scores and the ratio-2 compressor, and on the model's own
+    # activations their products stay within 3e-5 of the IEEE GEMM; the loss and the gradients stay close to the
+    # IEEE backend's, though not that close: a near-tied indexer or router top-k choice downstream may flip
+    # (measured up to 1.1e-4 with one thread, 5e-6 with two)
+    from deepseek_v41.layers import Fp32Linear, linear_bf16x3, linear_fp32
+    from deepseek_v41.moe import Router
 
     ref = tiny_model(v4_tokenizer, dtype=dtype).train()
     emu = tiny_model(v4_tokenizer, dtype=dtype, backend={"fp32_linear": "bf16x3"}).train()
     emu.load_state_dict(ref.state_dict())
-    compressors = [n for n, m in emu.named_modules() if type(m) is Fp32Linear]
-    assert compressors and all(emu.get_submodule(n).weight.dtype == torch.float32 for n in compressors)
     assert emu.state_dict().keys() == ref.state_dict().keys()
+    compressors = [m for m in emu.modules() if type(m) is Fp32Linear]
+    routers = [m for m in emu.modules() if isinstance(m, Router)]
+    assert compressors and routers and all(m.weight.dtype == torch.float32 for m in compressors)
+    assert all(m.matmul is linear_bf16x3 for m in compressors) and all(r.score_matmul is linear_bf16x3 for r in routers)
+    product_errs = []
+
+    def check(module, args, out):
+        x = args[0]
+        with torch.no_grad():
+            got = out if type(module) is Fp32Linear else module.score_matmul(x, module.weight)
+            product_errs.append(rel_err(got, linear_fp32(x, module.weight)))
+
+    hooks = [m.register_forward_hook(check) for m in compressors + routers]
     ids = ids_batch(s=32)
     out_ref, out_emu = ref(ids, labels=ids), emu(ids, labels=ids)
-    errs = {"logits": rel_err(out_emu.logits, out_ref.logits)}
+    for hook in hooks:
+        hook.remove()
+    assert len(product_errs) == len(compressors) + len(routers) and max(product_errs) < 3e-5, product_errs
+    errs = {"loss": abs(out_emu.loss.item() / out_ref.loss.item() - 1), "logits": rel_err(out_emu.logits, out_ref.logits)}
     out_ref.loss.backward()
     out_emu.loss.backward()
-    for name in (compressors[0] + ".weight", "layers.8.ffn.gate.weight"):
+    for name in ("layers.2.attn.compressor.wkv.weight", "layers.8.ffn.gate.weight"):
         grad_ref, grad_emu = ref.get_parameter(name).grad, emu.get_parameter(name).grad
         assert grad_emu is not None and grad_emu.dtype == grad_ref.dtype
         errs[name] = rel_err(grad_emu, grad_ref)
-    assert all(e < (3e-5 if dtype == torch.float32 else 1e-4) for e in errs.values()), errs  # measured <= 5e-6
+    assert all(e < 2e-3 for e in errs.values()), errs
 
 
 def test_bf16x3_skips_the_zero_low_half_of_a_bf16_operand(monkeypatch):
