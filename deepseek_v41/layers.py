@@ -153,10 +153,15 @@ def mm_bf16x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     output, the other operand's halves are stacked along the output instead (no copy of the wide exact
     operand; e.g. the mHC mix GEMM, [m, 20480] @ [20480, 24]) and the two result halves added in fp32.
     """
-    a_hi, a_lo = _split_bf16(a)
-    b_hi, b_lo = _split_bf16(b)
-    m, k = a.shape
-    n = b.shape[1]
+    return mm_bf16x3_split(_split_bf16(a), _split_bf16(b))
+
+
+def mm_bf16x3_split(a_split: tuple, b_split: tuple) -> torch.Tensor:
+    """``mm_bf16x3`` of operands already split into (hi, lo) by ``_split_bf16`` (lo None: an exact bf16
+    operand), for a caller that uses one split in several products (a backward's grad·W and gradᵀ·x)."""
+    (a_hi, a_lo), (b_hi, b_lo) = a_split, b_split
+    m, k = a_hi.shape
+    n = b_hi.shape[1]
     if a_lo is None and b_lo is not None and n < k:
         out = _mm_bf16_fp32_out(a_hi, torch.cat([b_hi, b_lo], dim=1))  # [m, 2n]
         return out[:, :n] + out[:, n:]
@@ -341,9 +346,13 @@ class _LinearFp32Emulated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad = grad.float()
-        grad_x = mm_bf16x3(grad, weight).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = mm_bf16x3(grad.t(), x).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        g = _split_bf16(grad.float())  # split once for both products
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = mm_bf16x3_split(g, _split_bf16(weight)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            g_t = tuple(None if part is None else part.t() for part in g)
+            grad_w = mm_bf16x3_split(g_t, _split_bf16(x)).to(weight.dtype)
         return grad_x, grad_w
 
 
