@@ -223,6 +223,15 @@ class Attention(nn.Module):
         # fp32 [rope_dim / 2] on the host; a plain attribute, not a buffer, so meta-device init has nothing to restore
         with torch.device("cpu"):
             self.rope_freqs = layer_rope_frequencies(config, layer)
+        self._rope_freqs_on = {}  # device -> rope_freqs there, copied once
+
+    def _rope_cis(self, positions: torch.Tensor) -> torch.Tensor:
+        # complex64 [n, rope_dim / 2] for integer positions [n].  The frequencies go to the device once: a blocking
+        # copy from pageable host memory at every call would wait for the GPU to drain its queue (six a forward)
+        freqs = self._rope_freqs_on.get(positions.device)
+        if freqs is None:
+            freqs = self._rope_freqs_on[positions.device] = self.rope_freqs.to(positions.device)
+        return rope_cis(positions, freqs)
 
     def forward(self, x: torch.Tensor, state: CSA2State) -> torch.Tensor:
         # x [b, s, dim] (normed attention input) -> [b, s, dim]
@@ -230,7 +239,7 @@ class Attention(nn.Module):
             return self._decode_step(x, state)
         b, s, _ = x.shape
         positions = torch.arange(s, device=x.device)
-        cis = rope_cis(positions, self.rope_freqs)  # [s, rope_dim / 2]
+        cis = self._rope_cis(positions)  # [s, rope_dim / 2]
         qr, q = self._queries(x, cis)
         window_kv = self._window_kv(x, cis)  # [b, s, head_dim]
         idx = sliding_window_indices(s, self.window, x.device).expand(b, s, -1)
@@ -254,8 +263,10 @@ class Attention(nn.Module):
         if self.q_head_rescale:  # V4's per-head q RMS; absent from the official V4.1 code (off by default)
             qh = q.float().unflatten(-1, (self.n_heads, self.head_dim))
             q = (qh * torch.rsqrt(qh.square().mean(-1, keepdim=True) + self.eps)).flatten(2).to(q.dtype)
-        # q is fresh (not a view, not saved by another op): rotate each head's tail in place
-        q = apply_rope(q, cis, inplace=True, head_dim=self.head_dim).unflatten(-1, (self.n_heads, self.head_dim))
+        # q is fresh (not a view, not saved by another op): rotate each head's tail in place.  Its one consumer
+        # is the sparse attention, whose backward returns a fresh dq: rotated back in place too
+        q = apply_rope(q, cis, inplace=True, head_dim=self.head_dim, grad_inplace=True)
+        q = q.unflatten(-1, (self.n_heads, self.head_dim))
         return qr, q
 
     def _window_kv(self, x, cis):
@@ -265,7 +276,9 @@ class Attention(nn.Module):
     def _output(self, o, cis):
         # o [b, s, h, head_dim] -> [b, s, dim]
         b, s = o.shape[:2]
-        o = apply_rope(o, cis, inverse=True)  # K = V carries rotated channels: undo at the query position
+        # K = V carries rotated channels: undo at the query position.  The one consumer is wo_a (a GEMM, or a
+        # wrapped module's GEMMs whose input gradients autograd sums into a new buffer): a fresh gradient
+        o = apply_rope(o, cis, inverse=True, grad_inplace=True)
         o = self._grouped_wo_a(o.reshape(b * s, self.o_groups, -1))  # [b·s, groups·o_lora]
         return self.wo_b(o.view(b, s, -1))
 
@@ -285,7 +298,7 @@ class Attention(nn.Module):
         if self.mode == "full":
             latent = self.compressor(x)  # pre-RoPE [b, T, head_dim]
             T = latent.shape[1]
-            entry_cis = rope_cis(positions[:T] * r, self.rope_freqs)  # entry j sits at its first token j·r
+            entry_cis = self._rope_cis(positions[:T] * r)  # entry j sits at its first token j·r
             self._publish_entries(state, latent, entry_cis)
         if self.mode in ("full", "reindex"):
             self._publish_topk(state, x, qr, cis, self.indexer_scores, None)
@@ -332,7 +345,7 @@ class Attention(nn.Module):
         pos = state.positions
         layer_cache = state.cache.layers[self.layer]
         xt = x.transpose(0, 1)  # [1, b, dim]
-        cis = rope_cis(pos, self.rope_freqs)  # [b, rope_dim / 2]
+        cis = self._rope_cis(pos)  # [b, rope_dim / 2]
         qr, q = self._queries(xt, cis)
         ring = layer_cache.push_window(self._window_kv(xt, cis)[0], pos)  # [b, W, head_dim]
         kv, idx = ring, layer_cache.window_slots(pos)  # idx [b, 1, W]
@@ -359,7 +372,7 @@ class Attention(nn.Module):
                 latent = self.compressor.pool(kv, score, xt.dtype).unsqueeze(0)
             entry = pos // r
             scratch = CSA2State()
-            self._publish_entries(scratch, latent, rope_cis(entry * r, self.rope_freqs))
+            self._publish_entries(scratch, latent, self._rope_cis(entry * r))
             layer_cache.push_entry(
                 scratch.read(self.layer, "compressed_kv")[0], scratch.read(self.layer, "index_k")[0], entry,
                 (pos + 1) % r == 0, max(n // r for n in state.cache.lengths_host) + 1,

@@ -41,8 +41,8 @@ class Engram(nn.Module):
         # Row-owner training replaces the local F.embedding lookup: hash ids [b, s, cols] -> rows [b, s, cols, d].
         self.table_lookup = None
         self._derived = {name: value.cpu() for name, value in constants.items()}
-        for name, value in self._derived.items():
-            self.register_buffer(name, value.clone(), persistent=False)
+        for name, value in self._derived.items():  # on the default device (a model built under torch.device("cuda"))
+            self.register_buffer(name, value.to(torch.empty(0).device, copy=True), persistent=False)
 
     def restore_derived_buffers(self) -> None:
         """Re-fill the hash constants (garbage after ``to_empty``) from their host copies."""

@@ -48,14 +48,20 @@ def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(x.dtype)
 
 
+def hc_mix_pre(x, fn, base, scale, pre_in, hc: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    # x [b, s, hc, d], pre_in [b, s, hc] -> (pre, post, comb) of this sublayer's mix and its input
+    # hc_pre(x, pre_in) [b, s, d]: the two reads of the streams at the head of a sublayer
+    return (*hc_mix(x, fn, base, scale, hc, sinkhorn_iters, hc_eps, norm_eps), hc_pre(x, pre_in))
+
+
 def mhc_ops(backend: dict) -> tuple:
-    """``(hc_mix, hc_pre, hc_post)`` for ``backend["mhc"]``: these eager fp32 functions (``torch``) or
+    """``(hc_mix_pre, hc_pre, hc_post)`` for ``backend["mhc"]``: these eager fp32 functions (``torch``) or
     tile-kernels' fused CUDA kernels (``tile_kernels``, ``mhc_tile_kernels.py``)."""
     if backend["mhc"] == "tile_kernels":
         # "from .module import" (not "from . import module"): the form save_pretrained's file scan follows
-        from .mhc_tile_kernels import hc_mix as fused_mix
+        from .mhc_tile_kernels import hc_mix_pre as fused_mix_pre
         from .mhc_tile_kernels import hc_post as fused_post
         from .mhc_tile_kernels import hc_pre as fused_pre
 
-        return fused_mix, fused_pre, fused_post
-    return hc_mix, hc_pre, hc_post
+        return fused_mix_pre, fused_pre, fused_post
+    return hc_mix_pre, hc_pre, hc_post

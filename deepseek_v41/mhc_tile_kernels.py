@@ -1,15 +1,15 @@
 """mHC on tile-kernels' fused CUDA kernels (backend ``mhc: tile_kernels``), forward and backward.
 
-The same functions as ``mhc.py`` (``hc_mix``, ``hc_pre``, ``hc_post``), with the per-token work done by
+The same functions as ``mhc.py`` (``hc_mix_pre``, ``hc_pre``, ``hc_post``), with the per-token work done by
 tile-kernels instead of chains of eager fp32 ops:
 
-| here         | tile-kernels (``tile_kernels.mhc``)                            | replaces in ``mhc.py``                 |
-|--------------|----------------------------------------------------------------|----------------------------------------|
-| ``hc_mix``   | ``mhc_pre_split_mixes_{fwd,bwd}``, ``mhc_sinkhorn_{fwd,bwd}`` | the split and the 20 Sinkhorn rounds   |
-| ``hc_pre``   | ``mhc_pre_apply_mix_{fwd,bwd}``                                | the fp32 einsum collapse               |
-| ``hc_post``  | ``mhc_post_{fwd,bwd}``                                         | the fp32 einsum mix + ``post · y``     |
+| here           | tile-kernels (``tile_kernels.mhc``)                                   | replaces in ``mhc.py``                     |
+|----------------|-----------------------------------------------------------------------|--------------------------------------------|
+| ``hc_mix_pre`` | ``mhc_pre_split_mixes_*``, ``mhc_sinkhorn_*``, ``mhc_pre_apply_mix_*`` | the split, the 20 Sinkhorn rounds, collapse |
+| ``hc_pre``     | ``mhc_pre_apply_mix_{fwd,bwd}``                                       | the fp32 einsum collapse                   |
+| ``hc_post``    | ``mhc_post_{fwd,bwd}``                                                | the fp32 einsum mix + ``post · y``         |
 
-The mix GEMM of ``hc_mix`` (streams · ``fn`` with the RMS factor) stays in PyTorch, as tile-kernels leaves
+The mix GEMM of ``hc_mix_pre`` (streams · ``fn`` with the RMS factor) stays in PyTorch, as tile-kernels leaves
 it to DeepGEMM; here it is an fp32-accurate GEMM on bf16 tensor cores (``hc_mix_logits_bf16x3``).
 Coefficients stay fp32; streams and sublayer outputs are bf16, which the
 kernels require (their hidden size must also be a multiple of 128).  tile-kernels' defaults are not V4's:
@@ -105,49 +105,68 @@ class _Post(torch.autograd.Function):
 
 
 class _MixLogitsBf16x3(torch.autograd.Function):
-    # x bf16 [m, K], fn fp32 [N, K] -> fp32 [m, N] = (x · fnᵀ) · r with r = rsqrt(mean(x²) + eps) per row.
-    # The GEMMs run on bf16 tensor cores (mm_bf16x3; x is exact in bf16, so two products), the mean square
-    # is reduced from bf16 in fp32, and dx is formed in fp32 and rounded to bf16 once (on CUDA by one Triton
-    # pass, kernels_triton.mix_dx_triton: its 24-long inner dimension is too short for tensor cores).
+    # x bf16 [m, hc, d], fn fp32 [N, hc·d] -> fp32 [m, N] = (x · fnᵀ) · r with r = rsqrt(mean(x²) + eps) per row
+    # (x as [m, hc·d]).  The GEMMs run on bf16 tensor cores (mm_bf16x3; x is exact in bf16, so two products), the
+    # mean square is reduced from bf16 in fp32, and dx is formed in fp32 and rounded to bf16 once (on CUDA by one
+    # Triton pass, kernels_triton.mix_dx_triton: its 24-long inner dimension is too short for tensor cores).
+    # With pre fp32 [m, hc] it also returns the collapse Σ_h pre_h·x_h bf16 [m, d] (tile-kernels'
+    # mhc_pre_apply_mix), the sublayer input read from the same streams: its backward adds pre·grad into the
+    # mix's dx in place (the kernel accumulates), so the streams get one gradient for both uses, without the
+    # zero-filled buffer and the separate add of the two that autograd would need (~0.7 ms a sublayer at
+    # 16384 tokens on the H200).
     @staticmethod
-    def forward(ctx, x, fn, eps):
-        k = x.shape[-1]
-        r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square() / k + eps)
-        y = mm_bf16x3(x, fn.t())
-        ctx.save_for_backward(x, fn, r, y)
-        return y * r
+    def forward(ctx, x, fn, eps, pre):
+        m, hc, d = x.shape
+        flat = x.view(m, hc * d)
+        r = torch.rsqrt(torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / (hc * d) + eps)
+        y = mm_bf16x3(flat, fn.t())
+        ctx.save_for_backward(x, fn, r, y, pre)
+        ctx.set_materialize_grads(False)
+        if pre is None:
+            return y * r
+        collapsed = x.new_empty(m, d)
+        tkm.mhc_pre_apply_mix_fwd(x, pre, collapsed)
+        return y * r, collapsed
 
     @staticmethod
-    def backward(ctx, grad):
-        x, fn, r, y = ctx.saved_tensors
-        k = x.shape[-1]
-        g_y = grad * r  # [m, N]
-        # d(y·r)/dx = g_y · fn + (Σ_n grad·y) · dr/dx, dr/dx = −r³ x / K
-        coef = (grad * y).sum(-1, keepdim=True) * r.pow(3) / k  # [m, 1]
-        if triton_usable(x):  # one pass: the 24-wide product in fp32 and the RMS term, rounded once
-            dx = mix_dx_triton(g_y, fn, coef, x)
-        else:  # fp32 a [m, K] − coef · x in fp32, rounded once to x's dtype
-            dx = torch.addcmul(mm_bf16x3(g_y, fn), coef, x.float(), value=-1.0).to(x.dtype)
-        return dx, mm_bf16x3(g_y.t(), x), None
+    def backward(ctx, grad, d_collapsed=None):
+        x, fn, r, y, pre = ctx.saved_tensors
+        m, hc, d = x.shape
+        flat = x.view(m, hc * d)
+        dx = d_fn = d_pre = None
+        if grad is not None:
+            g_y = grad * r  # [m, N]
+            # d(y·r)/dx = g_y · fn + (Σ_n grad·y) · dr/dx, dr/dx = −r³ x / K
+            coef = (grad * y).sum(-1, keepdim=True) * r.pow(3) / (hc * d)  # [m, 1]
+            if triton_usable(x):  # one pass: the 24-wide product in fp32 and the RMS term, rounded once
+                dx = mix_dx_triton(g_y, fn, coef, flat)
+            else:  # fp32 a [m, K] − coef · x in fp32, rounded once to x's dtype
+                dx = torch.addcmul(mm_bf16x3(g_y, fn), coef, flat.float(), value=-1.0).to(x.dtype)
+            d_fn = mm_bf16x3(g_y.t(), flat) if ctx.needs_input_grad[1] else None
+        if d_collapsed is not None:
+            dx = torch.zeros_like(flat) if dx is None else dx
+            d_pre = tkm.mhc_pre_apply_mix_bwd(d_collapsed.contiguous(), x, pre, dx.view(m, hc, d))  # dx += pre·grad
+        return None if dx is None else dx.view(m, hc, d), d_fn, None, d_pre
 
 
 def hc_mix_logits_bf16x3(x, fn, norm_eps: float) -> torch.Tensor:
     """``mhc.hc_mix_logits`` for bf16 streams x [b, s, hc, d] -> fp32 [b, s, (2+hc)·hc], on bf16 tensor cores
     with fp32 accuracy and no fp32 copy of the streams (eager, that copy and its passes cost more than the GEMM)."""
-    flat = x.reshape(-1, x.shape[-2] * x.shape[-1])  # [b·s, hc·d]
-    out = _MixLogitsBf16x3.apply(flat, fn.float(), norm_eps)
+    out = _MixLogitsBf16x3.apply(x.reshape(-1, *x.shape[-2:]), fn.float(), norm_eps, None)
     return out.view(*x.shape[:-2], fn.shape[0])
 
 
-def hc_mix(x, fn, base, scale, hc: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    # x [b, s, hc, d] -> pre [b, s, hc], post [b, s, hc], comb [b, s, hc(src), hc(dst)], all fp32
+def hc_mix_pre(x, fn, base, scale, pre_in, hc: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """``mhc.hc_mix_pre`` on tile-kernels: x [b, s, hc, d] bf16, pre_in [b, s, hc] -> (pre, post, comb) of this
+    sublayer's mix, all fp32, and the sublayer input hc_pre(x, pre_in) bf16 [b, s, d], from one autograd node
+    over the streams (``_MixLogitsBf16x3``)."""
     _check_streams(x)
-    mixes = hc_mix_logits_bf16x3(x, fn, norm_eps)  # [b, s, (2+hc)·hc] fp32
-    lead = mixes.shape[:-1]
-    pre, post, comb = _SplitSinkhorn.apply(
-        mixes.reshape(-1, mixes.shape[-1]).contiguous(), scale.float(), base.float(), hc, sinkhorn_iters, hc_eps
+    b, s, _, d = x.shape
+    mixes, collapsed = _MixLogitsBf16x3.apply(
+        x.reshape(b * s, hc, d).contiguous(), fn.float(), norm_eps, pre_in.float().reshape(b * s, hc).contiguous()
     )
-    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+    pre, post, comb = _SplitSinkhorn.apply(mixes, scale.float(), base.float(), hc, sinkhorn_iters, hc_eps)
+    return pre.view(b, s, hc), post.view(b, s, hc), comb.view(b, s, hc, hc), collapsed.view(b, s, d)
 
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

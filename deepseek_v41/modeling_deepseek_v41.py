@@ -67,12 +67,13 @@ class DeepseekV41Block(GradientCheckpointingLayer):
         self.attn = Attention(config, layer, backend)
         self.ffn_norm = make_rms_norm(config.hidden_size, config.rms_norm_eps, backend)
         self.ffn = MoE(config, backend, has_image_bias)
-        self.hc_mix, self.hc_pre, self.hc_post = mhc_ops(backend)  # backend "mhc": torch or tile_kernels
+        self.hc_mix_pre, _, self.hc_post = mhc_ops(backend)  # backend "mhc": torch or tile_kernels
 
-    def mix(self, x, sub: str):
-        return self.hc_mix(
+    def mix_pre(self, x, sub: str, pre_in):
+        # -> (pre, post, comb) of sublayer `sub`'s mix and its input: the streams collapsed with pre_in
+        return self.hc_mix_pre(
             x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"),
-            self.hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
+            pre_in, self.hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
         )
 
     def forward(self, x, pre_in, state: CSA2State, input_ids=None, image_mask=None, engram_hash_ids=None):
@@ -80,11 +81,11 @@ class DeepseekV41Block(GradientCheckpointingLayer):
         if self.engram is not None:
             hash_ids = engram_hash_ids if engram_hash_ids is not None else self.engram.hash(input_ids, image_mask)
             x = self.engram(x, hash_ids, image_mask)
-        attn_pre, attn_post, attn_comb = self.mix(x, "attn")
-        y = self.attn(self.attn_norm(self.hc_pre(x, pre_in)), state)
+        attn_pre, attn_post, attn_comb, h = self.mix_pre(x, "attn", pre_in)
+        y = self.attn(self.attn_norm(h), state)
         x = self.hc_post(y, x, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = self.mix(x, "ffn")
-        u = self.ffn_norm(self.hc_pre(x, attn_pre))  # [b, s, dim]; the MoE works on the flat token list
+        ffn_pre, ffn_post, ffn_comb, u = self.mix_pre(x, "ffn", attn_pre)
+        u = self.ffn_norm(u)  # [b, s, dim]; the MoE works on the flat token list
         y = self.ffn(u.flatten(0, 1), None if image_mask is None else image_mask.flatten()).view_as(u)
         x = self.hc_post(y, x, ffn_post, ffn_comb)
         return x, ffn_pre

@@ -64,10 +64,13 @@ class _RotateTail(torch.autograd.Function):
     # dim holds heads of that width, each rotated (so a projection's [b, s, h·d] output is rotated in place
     # as it is: rotating a [b, s, h, d] view of it in place would make autograd copy the whole gradient twice
     # and zero-fill one more, for the view's CopySlices / AsStrided backward)
+    # grad_inplace: the incoming gradient is rotated in place (only its tail is read and written, an eighth of a
+    # 512-wide head) instead of into a full copy; for a caller whose output's gradient reaches this node as a
+    # buffer nothing else holds (see apply_rope)
     @staticmethod
-    def forward(ctx, x, cos_sin, inplace, head_dim):
+    def forward(ctx, x, cos_sin, inplace, head_dim, grad_inplace):
         ctx.save_for_backward(cos_sin)
-        ctx.head_dim = head_dim
+        ctx.head_dim, ctx.grad_inplace = head_dim, grad_inplace
         if inplace:
             ctx.mark_dirty(x)
         out = _rotate(_split_heads(x, head_dim), cos_sin, inplace)
@@ -76,8 +79,10 @@ class _RotateTail(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (cos_sin,) = ctx.saved_tensors
+        in_place = ctx.grad_inplace and grad.is_contiguous()
         grad = grad.contiguous()
-        return _rotate(_split_heads(grad, ctx.head_dim), _conjugate(cos_sin)).view(grad.shape), None, None, None
+        out = _rotate(_split_heads(grad, ctx.head_dim), _conjugate(cos_sin), inplace=in_place)
+        return out.view(grad.shape), None, None, None, None
 
 
 def _split_heads(x: torch.Tensor, head_dim: int | None) -> torch.Tensor:
@@ -91,15 +96,18 @@ def _conjugate(cos_sin: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: bool = False,
-               head_dim: int | None = None) -> torch.Tensor:
+               head_dim: int | None = None, grad_inplace: bool = False) -> torch.Tensor:
     """Rotate the last ``2 * cis.shape[-1]`` channels of x [b, n, (h,) d] by cis [n, rd/2] in fp32, round once.
 
     ``head_dim``: x is [b, n, h·head_dim], and each head's tail is rotated.  ``inplace=True`` overwrites x's
-    tails (x must be contiguous and not saved by another op for its backward; autograd raises if it was)."""
+    tails (x must be contiguous and not saved by another op for its backward; autograd raises if it was).
+    ``grad_inplace=True`` rotates the output's gradient in place in the backward: only for an output whose
+    gradient is a fresh buffer of one consumer's backward (a matmul's, the sparse attention's), never one
+    that autograd may hand to another input too (an addition's backward passes one tensor to both sides)."""
     # x [b, n, (h,) d], cis complex [n, rd/2]
     cos_sin = torch.view_as_real(cis)  # fp32 [n, rd/2, 2]
     if inplace and not x.is_contiguous():
         raise ValueError("apply_rope(inplace=True) needs a contiguous x")
     if head_dim is not None and x.shape[-1] % head_dim:
         raise ValueError(f"apply_rope: the last dim ({x.shape[-1]}) is not a multiple of head_dim ({head_dim})")
-    return _RotateTail.apply(x, _conjugate(cos_sin) if inverse else cos_sin, inplace, head_dim)
+    return _RotateTail.apply(x, _conjugate(cos_sin) if inverse else cos_sin, inplace, head_dim, grad_inplace)

@@ -287,6 +287,28 @@ def test_rope_in_place_on_a_projection_output_matches_out_of_place():
         apply_rope(saved, cis, inplace=True).sum().backward()
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_rotating_its_gradient_in_place_matches_the_copy(inverse):
+    # grad_inplace: the backward rotates the incoming gradient's tail in place (that buffer becomes x's gradient)
+    # instead of rotating a full copy; the same gradient either way, contiguous or not
+    from deepseek_v41.rope import apply_rope, rope_cis, rope_frequencies
+
+    g = torch.Generator().manual_seed(6)
+    cis = rope_cis(torch.arange(6), rope_frequencies(16, 10000.0, None))
+    x = torch.randn(2, 6, 3, 32, generator=g).bfloat16()
+    for dy in (torch.randn(2, 6, 3, 32, generator=g).bfloat16(), torch.randn(2, 3, 6, 32, generator=g).bfloat16().transpose(1, 2)):
+        grads = []
+        for grad_inplace in (False, True):
+            leaf = x.clone().requires_grad_()
+            y = apply_rope(leaf, cis, inverse=inverse, grad_inplace=grad_inplace)
+            incoming = dy.clone() if dy.is_contiguous() else dy.transpose(1, 2).clone().transpose(1, 2)
+            y.backward(incoming)
+            grads.append(leaf.grad)
+            if grad_inplace and dy.is_contiguous():
+                assert leaf.grad.data_ptr() == incoming.data_ptr()  # rotated where it was: no copy
+        assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], dy)
+
+
 def test_the_training_graph_has_no_view_copy_nodes(model):
     # every layer kind's backward: no in-place op on a view (its CopySlices / AsStrided backward copies and
     # zero-fills whole gradients), e.g. RoPE on a [b, s, h, d] view of the q projection

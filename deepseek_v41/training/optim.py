@@ -12,12 +12,13 @@ be stored in bf16 (the recipe's ``exp_avg_dtype`` / ``exp_avg_sq_dtype``); fp32 
 sink, compressor and head islands) are updated in place with fp32 moments of the requested dtype.
 
 ``fused_adamw_`` is the same update for one tensor written as one elementwise expression (master rebuilt
-with int32 bit ops, fp32 math in registers, results ``copy_``-ed back), so ``torch.compile`` turns it into a
-single kernel that reads and writes each state tensor once (~18 bytes/element for bf16 params and moments
-instead of ~130 for the per-op path).  ``RemainderAdamW(fused=None)`` uses it compiled on CUDA.  Run eagerly
-(CPU) it is bit-identical to the per-op path; compiled on CUDA, Inductor may contract a mul+add into an FMA,
-so it matches to within an ulp of the fp32 master rather than bit for bit.  The per-op path
-(``fused=False``, and the CPU default) stays bit-exact with ``torch.optim.AdamW``.
+with int32 bit ops, fp32 math, results ``copy_``-ed back): the documented reference of the one-pass update and
+the eager fused path on CPU, where it is bit-identical to the per-op path.  On CUDA the fused path is
+``adamw_triton.adamw_triton_``, a hand-written Triton kernel that reads and writes each state tensor once (~18
+bytes/element for bf16 params and moments instead of ~130 for the per-op path) with the roundings of the eager
+CUDA per-op path (its FMAs, IEEE division and sqrt, the reciprocal multiply of the division by a Python float),
+so it is meant to be bit-identical to ``fused=False`` on the same GPU (``tests/gpu/test_optim_fused_gpu.py``).
+The per-op path (``fused=False``, and the CPU default) stays bit-exact with ``torch.optim.AdamW``.
 
 Transformer Engine's ``FusedAdam`` (``store_param_remainders``) is used instead only when the recipe names it
 (``optimizer.impl: te``); ``auto`` resolves to ``torch_remainder``, the path the tests cover.
@@ -32,11 +33,12 @@ update, and the Engram gate's norm scales).
 import fnmatch
 import math
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from deepseek_v41.layers import compiled_on_cuda
+from deepseek_v41.training.adamw_triton import adamw_triton_, adamw_triton_usable
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -61,20 +63,24 @@ def split_master(master: torch.Tensor) -> tuple:
 def _adamw_scalars(lr, beta1, beta2, eps, weight_decay, step) -> tuple:
     """This step's scalar factors, in Python double exactly as ``torch.optim.AdamW`` computes them (each op then
     rounds its scalar to fp32 once): ``(decay, 1 - beta1, beta2, 1 - beta2, eps, bias_correction2_sqrt,
-    -lr / bias_correction1)``.  Shared by the per-op and fused paths so both see the same fp32 values."""
+    -lr / bias_correction1, 1 / bias_correction2_sqrt)``.  Shared by the per-op and fused paths so both see the
+    same fp32 values.  The last is the reciprocal that eager CUDA multiplies by where the per-op path divides by
+    the Python float (taken in double, then rounded: fp32 1/fp32(x) differs from it at some steps)."""
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    return (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, bias_correction2_sqrt, -(lr / bias_correction1))
+    return (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, bias_correction2_sqrt, -(lr / bias_correction1),
+            1 / bias_correction2_sqrt)
 
 
 def fused_adamw_(param, remainder, grad, exp_avg, exp_avg_sq, scalars) -> None:
-    """One tensor's AdamW update in place, as one elementwise expression (``torch.compile`` fuses it).
+    """One tensor's AdamW update in place, as one elementwise expression: the fused path on CPU (eager) and the
+    reference of ``adamw_triton.adamw_triton_``, the CUDA fused path (``torch.compile`` also fuses it to one kernel).
 
     ``param`` is bf16 with its int16 ``remainder`` or fp32 with ``remainder=None``; ``grad`` any float dtype;
-    moments bf16 or fp32 storage.  ``scalars`` is a fp32 tensor ``[7]`` on ``param``'s device holding
+    moments bf16 or fp32 storage.  ``scalars`` is a fp32 tensor ``[8]`` on ``param``'s device holding
     ``_adamw_scalars(...)``: a tensor rather than floats, so one compiled graph serves every step and LR.
     """
-    decay, weight1, beta2, weight2, eps, bias_correction2_sqrt, step_size = scalars.unbind(0)
+    decay, weight1, beta2, weight2, eps, bias_correction2_sqrt, step_size, _ = scalars.unbind(0)
     grad = grad.float()
     if remainder is None:
         master = param.float()
@@ -98,17 +104,13 @@ def fused_adamw_(param, remainder, grad, exp_avg, exp_avg_sq, scalars) -> None:
     exp_avg_sq.copy_(new_avg_sq)
 
 
-# Compiled on first CUDA use, eager elsewhere.  dynamic=True: one graph for every numel (the caller flattens to
-# 1-D so the rank never varies); each dtype combination (remainder present or None included) is its own graph.
-_fused_adamw_on_device_ = compiled_on_cuda(fused_adamw_, dynamic=True)
-
-
 class RemainderAdamW(torch.optim.Optimizer):
     """AdamW over bf16 params with int16-remainder fp32 masters (and plain fp32 params).
 
-    ``fused``: ``None`` = the compiled ``fused_adamw_`` for CUDA parameters, the per-op path otherwise;
-    ``True`` = ``fused_adamw_`` always (compiled on CUDA, eager elsewhere); ``False`` = the per-op path.
-    Tensors with fewer than 2 elements or non-contiguous ones always take the per-op path.
+    ``fused``: ``None`` = the one-pass update for CUDA parameters, the per-op path otherwise; ``True`` = the
+    one-pass update always (the Triton kernel ``adamw_triton_`` on CUDA, ``fused_adamw_`` eagerly elsewhere);
+    ``False`` = the per-op path.  Tensors with fewer than 2 elements or non-contiguous ones always take the per-op
+    path, and so do CUDA tensors when Triton is missing (same results, slower; ``fused=True`` warns once).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -116,8 +118,9 @@ class RemainderAdamW(torch.optim.Optimizer):
         if sys.byteorder != "little":
             raise RuntimeError("RemainderAdamW splits fp32 words into int16 halves and assumes a little-endian host")
         if fused is not None and not isinstance(fused, bool):
-            raise ValueError(f"RemainderAdamW(fused={fused!r}): use None (auto: compiled on CUDA), True or False")
+            raise ValueError(f"RemainderAdamW(fused={fused!r}): use None (auto), True or False")
         self.fused = fused
+        self._warned_no_triton = False
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype}
         super().__init__(params, defaults)
@@ -153,11 +156,19 @@ class RemainderAdamW(torch.optim.Optimizer):
                 scalars = _adamw_scalars(lr, beta1, beta2, eps, wd, float(state["step"]))
                 remainder, grad = state.get("remainder"), _local(p.grad)
                 tensors = [local, remainder, grad, state["exp_avg"], state["exp_avg_sq"]]
-                # 0/1-element and non-contiguous tensors take the per-op path: dynamo would compile a graph for
-                # each (sizes 0 and 1 are specialized, other ranks), and with fullgraph=True hitting the
-                # recompile limit is an error.  What remains compiles once per dtype combination.
-                if not ((self.fused if self.fused is not None else local.device.type == "cuda")
-                        and local.numel() > 1 and all(t is None or t.is_contiguous() for t in tensors)):
+                # 0/1-element tensors (launch-bound either way) and non-contiguous ones take the per-op path, and
+                # so do CUDA tensors the kernel does not take (no Triton, a grad dtype it lacks): same results.
+                on_cuda = local.device.type == "cuda"
+                fused = (self.fused if self.fused is not None else on_cuda) and local.numel() > 1 \
+                    and all(t is None or t.is_contiguous() for t in tensors)
+                if fused and on_cuda and not adamw_triton_usable(*tensors):
+                    fused = False
+                    if self.fused and not self._warned_no_triton:
+                        warnings.warn("RemainderAdamW(fused=True): the Triton update does not take a CUDA tensor "
+                                      f"(Triton missing, or grad dtype {grad.dtype}); it takes the per-op path "
+                                      "(same results, slower)", stacklevel=2)
+                        self._warned_no_triton = True
+                if not fused:
                     self._per_op_update(local, remainder, grad.float(), state, scalars)
                     continue
                 key = (scalars, local.device)
@@ -165,13 +176,15 @@ class RemainderAdamW(torch.optim.Optimizer):
                     device_scalars[key] = torch.tensor(scalars, dtype=torch.float32)
                     if local.device.type == "cuda":  # pinned + non_blocking: a pageable copy would sync the GPU
                         device_scalars[key] = device_scalars[key].pin_memory().to(local.device, non_blocking=True)
-                flat = [t if t is None else t.detach().view(-1) for t in tensors]
-                _fused_adamw_on_device_(*flat, device_scalars[key])
+                if on_cuda:
+                    adamw_triton_(*tensors, device_scalars[key])
+                else:
+                    fused_adamw_(*[t if t is None else t.detach().view(-1) for t in tensors], device_scalars[key])
 
     @staticmethod
     def _per_op_update(local, remainder, grad, state, scalars):
         # torch.optim.AdamW's single-tensor path, op for op, on the rebuilt fp32 master.
-        decay, weight1, beta2, weight2, eps, bias_correction2_sqrt, step_size = scalars
+        decay, weight1, beta2, weight2, eps, bias_correction2_sqrt, step_size, _ = scalars
         master = join_master(local, remainder) if remainder is not None else local
         exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
 

