@@ -93,7 +93,7 @@ def mix_dx_launches(tokens: int, g: torch.Generator) -> None:
                                           ("tf32x3", 128, 64, 4, "current launch"), ("tf32x3", 128, 128, 4, ""),
                                           ("tf32x3", 64, 64, 4, ""), ("tf32x3", 128, 32, 4, ""),
                                           ("bf16x3", 128, 128, 4, ""), ("tf32", 128, 128, 4, "")]:
-        def launch():
+        def launch(precision=precision, br=br, bc=bc, warps=warps):
             dx = torch.empty_like(x)
             _mix_dx_kernel[(triton.cdiv(tokens, br), triton.cdiv(k, bc))](
                 g_y, fn, coef, x, dx, tokens, k, N=n, N_PAD=32, BLOCK_R=br, BLOCK_C=bc, PRECISION=precision,

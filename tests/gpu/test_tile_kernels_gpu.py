@@ -89,7 +89,7 @@ def test_tile_kernels_mix_pre_with_one_output_unused(used, dim=1024):
     grads = []
     for impl in (mhc.hc_mix_pre, fused.hc_mix_pre):
         leaves_ = [t.clone().requires_grad_() for t in (x, fn, base, scale, pre)]
-        p, post, comb, collapsed = impl(*leaves_, HC, ITERS, HC_EPS, NORM_EPS)
+        _, post, comb, collapsed = impl(*leaves_, HC, ITERS, HC_EPS, NORM_EPS)
         loss = (post.sum() + comb.square().sum()) if used == "mix" else collapsed.float().square().sum()
         loss.backward()
         grads.append([t.grad for t in leaves_])
