@@ -58,12 +58,17 @@ def linears(tokens: int, g: torch.Generator) -> None:
               f"grad_w {rel_err(gw, dy64.t() @ x64):.1e}, grad_x {rel_err(gx, dy64 @ w64):.1e} (bf16 out)")
 
 
-def mix_dx(tokens: int, g: torch.Generator) -> None:
+def mix_dx_inputs(tokens: int, g: torch.Generator) -> tuple:
+    # (g_y fp32 [tokens, 24], fn fp32 [24, 20480], coef fp32 [tokens, 1], x bf16 [tokens, 20480])
     k, n = 20480, 24
-    g_y = torch.randn(tokens, n, device="cuda", generator=g)
-    fn = torch.randn(n, k, device="cuda", generator=g) * 0.02
-    coef = torch.randn(tokens, 1, device="cuda", generator=g) * 1e-2
-    x = torch.randn(tokens, k, device="cuda", generator=g).bfloat16()
+    return (torch.randn(tokens, n, device="cuda", generator=g), torch.randn(n, k, device="cuda", generator=g) * 0.02,
+            torch.randn(tokens, 1, device="cuda", generator=g) * 1e-2,
+            torch.randn(tokens, k, device="cuda", generator=g).bfloat16())
+
+
+def mix_dx(tokens: int, g: torch.Generator) -> None:
+    g_y, fn, coef, x = mix_dx_inputs(tokens, g)
+    k = x.shape[1]
     subtract = layers.compiled_on_cuda(lambda a, c, xx: torch.addcmul(a, c, xx, value=-1.0).to(xx.dtype), dynamic=True)
 
     def previous():
@@ -81,11 +86,8 @@ def mix_dx(tokens: int, g: torch.Generator) -> None:
 def mix_dx_launches(tokens: int, g: torch.Generator) -> None:
     import triton
 
-    k, n = 20480, 24
-    g_y = torch.randn(tokens, n, device="cuda", generator=g)
-    fn = torch.randn(n, k, device="cuda", generator=g) * 0.02
-    coef = torch.randn(tokens, 1, device="cuda", generator=g) * 1e-2
-    x = torch.randn(tokens, k, device="cuda", generator=g).bfloat16()
+    g_y, fn, coef, x = mix_dx_inputs(tokens, g)
+    k, n = x.shape[1], g_y.shape[1]
     rows = slice(0, 2048)  # the gate on the first rows (float64 products of all of them would not fit)
     exact = g_y[rows].double() @ fn.double() - coef[rows].double() * x[rows].double()
     scale = g_y[rows].double().abs() @ fn.double().abs() + (coef[rows].double() * x[rows].double()).abs()
