@@ -41,8 +41,11 @@ class Engram(nn.Module):
         # Row-owner training replaces the local F.embedding lookup: hash ids [b, s, cols] -> rows [b, s, cols, d].
         self.table_lookup = None
         self._derived = {name: value.cpu() for name, value in constants.items()}
-        for name, value in self._derived.items():  # on the default device (a model built under torch.device("cuda"))
-            self.register_buffer(name, value.to(torch.empty(0).device, copy=True), persistent=False)
+        # on the default device where that is a real one (a model built under torch.device("cuda") hashes on the GPU
+        # without copying the constants over at every forward); under the meta device they stay filled on the host
+        device = torch.empty(0).device
+        for name, value in self._derived.items():
+            self.register_buffer(name, value.to("cpu" if device.type == "meta" else device, copy=True), persistent=False)
 
     def restore_derived_buffers(self) -> None:
         """Re-fill the hash constants (garbage after ``to_empty``) from their host copies."""
