@@ -17,7 +17,7 @@ the eager fused path on CPU, where it is bit-identical to the per-op path.  On C
 ``adamw_triton.adamw_triton_``, a hand-written Triton kernel that reads and writes each state tensor once (~18
 bytes/element for bf16 params and moments instead of ~130 for the per-op path) with the roundings of the eager
 CUDA per-op path (its FMAs, IEEE division and sqrt, the reciprocal multiply of the division by a Python float),
-so it is meant to be bit-identical to ``fused=False`` on the same GPU (``tests/gpu/test_optim_fused_gpu.py``).
+so it is bit-identical to ``fused=False`` on the same GPU (``tests/gpu/test_optim_fused_gpu.py``, H200).
 The per-op path (``fused=False``, and the CPU default) stays bit-exact with ``torch.optim.AdamW``.
 
 Transformer Engine's ``FusedAdam`` (``store_param_remainders``) is used instead only when the recipe names it
