@@ -43,7 +43,7 @@ class Engram(nn.Module):
         self._derived = {name: value.cpu() for name, value in constants.items()}
         # on the default device where that is a real one (a model built under torch.device("cuda") hashes on the GPU
         # without copying the constants over at every forward); under the meta device they stay filled on the host
-        device = torch.empty(0).device
+        device = torch.get_default_device()
         for name, value in self._derived.items():
             self.register_buffer(name, value.to("cpu" if device.type == "meta" else device, copy=True), persistent=False)
 

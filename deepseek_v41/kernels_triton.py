@@ -207,9 +207,10 @@ if triton is not None:
     @triton.jit
     def _mix_dx_kernel(gy_ptr, fn_ptr, coef_ptr, x_ptr, dx_ptr, m, K, N: tl.constexpr, N_PAD: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr = "ieee"):
-        # dx [m, K] = gy [m, N] · fn [N, K] − coef·x in fp32 (an IEEE fp32 dot: fused multiply-adds, N zero-padded
-        # to N_PAD), rounded once to dx's dtype.  N (the mix count, 24) is a short inner dimension: x is read and
-        # dx written once, and the fp32 product never goes to memory
+        # dx [m, K] = gy [m, N] · fn [N, K] − coef·x in fp32 (the dot at PRECISION: "ieee" fused multiply-adds,
+        # "tf32x3" / "tf32" on tensor cores, or "bf16x3" by hand; N zero-padded to N_PAD), rounded once to dx's
+        # dtype.  N (the mix count, 24) is a short inner dimension: x is read and dx written once, and the fp32
+        # product never goes to memory
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         ns = tl.arange(0, N_PAD)

@@ -47,19 +47,33 @@ MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 DEFAULT_BLOCK, DEFAULT_NUM_WARPS = 2048, 8
 
 
-def adamw_triton_usable(param, remainder, grad, exp_avg, exp_avg_sq) -> bool:
-    """Whether ``adamw_triton_`` takes these tensors: Triton importable, CUDA, same numel, contiguous, and
-    dtypes it knows (bf16 param with an int16 remainder or fp32 param without; grad bf16/fp16/fp32; moments
-    bf16/fp32)."""
-    if triton is None or not param.is_cuda:
-        return False
-    if not ((param.dtype == torch.bfloat16 and remainder is not None and remainder.dtype == torch.int16)
-            or (param.dtype == torch.float32 and remainder is None)):
-        return False
-    if grad.dtype not in GRAD_DTYPES or exp_avg.dtype not in MOMENT_DTYPES or exp_avg_sq.dtype not in MOMENT_DTYPES:
-        return False
+def _unsupported(param, remainder, grad, exp_avg, exp_avg_sq):
+    """None when ``adamw_triton_`` takes these tensors, else (exception type, message) naming the problem: Triton
+    importable, dtypes it knows (bf16 param with an int16 remainder or fp32 param without; grad bf16/fp16/fp32;
+    moments bf16/fp32), all contiguous with one numel on one device."""
+    if triton is None:
+        return RuntimeError, "adamw_triton_ needs the package triton (it comes with CUDA builds of PyTorch)"
+    if param.dtype == torch.bfloat16:
+        if remainder is None or remainder.dtype != torch.int16:
+            return TypeError, "adamw_triton_: a bf16 param needs its int16 remainder"
+    elif param.dtype != torch.float32 or remainder is not None:
+        return TypeError, (f"adamw_triton_ takes a bf16 param with an int16 remainder or an fp32 param without one, "
+                           f"got {param.dtype} with remainder {None if remainder is None else remainder.dtype}")
+    if grad.dtype not in GRAD_DTYPES:
+        return TypeError, f"adamw_triton_: grad dtype {grad.dtype} not in {GRAD_DTYPES}"
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dtype not in MOMENT_DTYPES:
+            return TypeError, f"adamw_triton_: {name} dtype {t.dtype} not in {MOMENT_DTYPES}"
     tensors = [t for t in (param, remainder, grad, exp_avg, exp_avg_sq) if t is not None]
-    return all(t.is_contiguous() and t.numel() == param.numel() and t.device == param.device for t in tensors)
+    if any(t.numel() != param.numel() or not t.is_contiguous() or t.device != param.device for t in tensors):
+        return ValueError, ("adamw_triton_: param, remainder, grad and moments must be contiguous, with one numel, "
+                            "on one device")
+    return None
+
+
+def adamw_triton_usable(param, remainder, grad, exp_avg, exp_avg_sq) -> bool:
+    """Whether ``adamw_triton_`` takes these CUDA tensors (``_unsupported``)."""
+    return param.is_cuda and _unsupported(param, remainder, grad, exp_avg, exp_avg_sq) is None
 
 
 if triton is not None:
@@ -169,24 +183,11 @@ def adamw_triton_(param, remainder, grad, exp_avg, exp_avg_sq, scalars, block=DE
     1-D).  ``scalars``: fp32 tensor ``[8]`` on the same device, ``optim._adamw_scalars(...)``.  ``block``
     (a power of two) elements per program and ``num_warps`` tune the launch.
     """
-    if triton is None:
-        raise RuntimeError("adamw_triton_ needs the package triton (it comes with CUDA builds of PyTorch)")
-    if param.dtype == torch.bfloat16:
-        if remainder is None or remainder.dtype != torch.int16:
-            raise TypeError("adamw_triton_: a bf16 param needs its int16 remainder")
-    elif param.dtype != torch.float32 or remainder is not None:
-        raise TypeError(f"adamw_triton_ takes a bf16 param with an int16 remainder or an fp32 param without one, "
-                        f"got {param.dtype} with remainder {None if remainder is None else remainder.dtype}")
-    if grad.dtype not in GRAD_DTYPES:
-        raise TypeError(f"adamw_triton_: grad dtype {grad.dtype} not in {GRAD_DTYPES}")
-    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.dtype not in MOMENT_DTYPES:
-            raise TypeError(f"adamw_triton_: {name} dtype {t.dtype} not in {MOMENT_DTYPES}")
+    problem = _unsupported(param, remainder, grad, exp_avg, exp_avg_sq)
+    if problem is not None:
+        error, message = problem
+        raise error(message)
     n = param.numel()
-    tensors = [t for t in (param, remainder, grad, exp_avg, exp_avg_sq) if t is not None]
-    if any(t.numel() != n or not t.is_contiguous() or t.device != param.device for t in tensors):
-        raise ValueError("adamw_triton_: param, remainder, grad and moments must be contiguous, with one numel, "
-                         "on one device")
     if scalars.dtype != torch.float32 or scalars.numel() != 8 or scalars.device != param.device:
         raise ValueError("adamw_triton_: scalars must be an fp32 tensor [8] on the param's device")
     if block & (block - 1) or block < 128:
