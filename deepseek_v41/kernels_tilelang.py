@@ -25,10 +25,11 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   ``dQ = dS·kv[idx]`` and writes each slot's kv gradient ``dSᵀQ + Pᵀ dO`` (bf16, one [k, d] tile per query and 64
   heads; the kernel runs one batch row at a time, so the buffer is s·k·d·2 bytes).  While a block's kv gradients
   are computed and stored (128 columns at a time through a small swizzled staging tile), the next block's rows are
-  already being gathered into the one [64, d] buffer that fits next to Q and dO.  ``_reduce_slot_grads`` then sums
-  the tiles into rows in a fixed order: a stable sort of ``idx`` gives each kv row its (query, slot) entries in
-  query order and one Triton program per row adds them in fp32 (8 running sums, then a fixed tree) and rounds
-  once to bf16.  The same inputs give the same bits on every run, whatever the launch order; repeated rows in one
+  already being gathered into the one [64, d] buffer that fits next to Q and dO.  Blocks after the query's last key
+  are skipped (they add nothing to dQ, and the row sum never reads an empty slot's tile).  ``_reduce_slot_grads``
+  then sums the tiles into rows in a fixed order: a stable sort of ``idx`` gives each kv row its (query, slot)
+  entries in query order and one Triton program per row adds them in fp32 (8 running sums, then a fixed tree) and
+  rounds once to bf16.  The same inputs give the same bits on every run, whatever the launch order; repeated rows in one
   query's ``idx`` are summed like any other.  The per-slot values are rounded to bf16 before the sum (relative
   error ~2⁻⁹ each, not growing with the number of terms), the same order of error as the final bf16 ``dkv``.
   ``dsink_h = −Σ p_sink·Δ`` is a cheap elementwise reduction in PyTorch.
@@ -372,9 +373,11 @@ def _build_attn_bwd_slots(batch, seq, n_kv, heads, dim, slots, scale, threads=25
     # block's rows are gathered (cp.async into the same buffer, the only [64, d] buffer that fits next to Q and
     # dO) while the kv gradients dSᵀQ + PᵀdO are computed and stored `chunk` columns at a time through a small
     # swizzled staging tile.  A [64, chunk] accumulator (not [64, d]) leaves registers for the [64, d] dQ one.
-    # H200, V4.1 shape (s 4096, k 640, d 512; 173a9e2, 2026-12-02): 2.59-2.63 ms, against 3.42 ms for a per-slot
-    # kernel that staged its whole [64, d] tile through the gather buffer (no overlap) plus 0.71 ms for a separate
-    # dQ kernel (examples/benchmarks/results/attention_h200.txt).
+    # Blocks after the query's last key are skipped and CTAs take the queries last first (see the comments below).
+    # H200, V4.1 shape (s 4096, k 640, d 512): 2.50-2.51 ms at ratio 1 and 2.50 at ratio 2, against 2.60-2.62 for
+    # the same kernel without the skip in the same runs (bit-identical outputs); 3.42 ms for a per-slot kernel that
+    # staged its whole [64, d] tile through the gather buffer (no overlap) plus 0.71 ms for a separate dQ kernel
+    # (examples/benchmarks/results/attention_h200.txt).
     HB, BI, DC = HEADS_PER_BLOCK, SLOTS_PER_BLOCK, 64
     n_hblk, n_steps = heads // HB, slots // BI
     chunk = 128 if dim % 128 == 0 else 64
@@ -395,7 +398,10 @@ def _build_attn_bwd_slots(batch, seq, n_kv, heads, dim, slots, scale, threads=25
         dKV: T.Tensor([batch, seq * n_hblk, slots, dim], bf16),
     ):
         with T.Kernel(seq * n_hblk, batch, threads=threads) as (bx, bz):
-            s_i = bx // n_hblk
+            # the last query first: queries near the start have fewer keys (trailing empty blocks are skipped), so
+            # the short CTAs come last and fill the final wave
+            s_i = seq - 1 - bx // n_hblk
+            tile = s_i * n_hblk + bx % n_hblk  # this CTA's row of dKV
             h0 = (bx % n_hblk) * HB
             q_s = T.alloc_shared([HB, dim], bf16)
             do_s = T.alloc_shared([HB, dim], bf16)
@@ -406,6 +412,7 @@ def _build_attn_bwd_slots(batch, seq, n_kv, heads, dim, slots, scale, threads=25
             idx_s = T.alloc_shared([slots], "int32")
             delta_s = T.alloc_shared([HB], f32)
             rows = T.alloc_local([n_rows], "int32")
+            n_valid = T.alloc_local([1], "int32")
             acc_s = T.alloc_fragment([HB, BI], f32)
             acc_dp = T.alloc_fragment([HB, BI], f32)
             acc_dkv = T.alloc_fragment([BI, chunk], f32)
@@ -419,34 +426,44 @@ def _build_attn_bwd_slots(batch, seq, n_kv, heads, dim, slots, scale, threads=25
             T.annotate_layout({st_s: tilelang.layout.make_swizzled_layout(st_s)})
 
             tx = T.get_thread_binding()
-            T.copy(Q[bz, s_i, h0 : h0 + HB, :], q_s)
-            T.copy(dO[bz, s_i, h0 : h0 + HB, :], do_s)
+            # the index row first, so that the first block's gather is in flight while Q and dO load
             T.copy(Idx[bz, s_i, :], idx_s)
-            T.copy(Lse2[bz, s_i, h0 : h0 + HB], lse)
             T.sync_threads()
             gather(KV, idx_s, rows, kv_s, bz, 0, tx)
+            T.copy(Q[bz, s_i, h0 : h0 + HB, :], q_s)
+            T.copy(dO[bz, s_i, h0 : h0 + HB, :], do_s)
+            T.copy(Lse2[bz, s_i, h0 : h0 + HB], lse)
+            # the blocks up to the last key: a block of empty slots adds nothing to dQ and has no kv gradient to
+            # store (the row sum skips empty slots), so the trailing ones are skipped.  One barrier-vote per block
+            # (the kernel's shared memory is at the 227 KB limit: no room for a shared counter)
+            n_valid[0] = 0
+            for blk in T.serial(n_steps):
+                if T.call_extern("int32", "__syncthreads_or", T.Cast("int32", idx_s[blk * BI + tx % BI] >= 0)) != 0:
+                    n_valid[0] = blk + 1
             _delta_rows(dO, O, bz, s_i, h0, dim, part, part_sum, delta_acc, delta_s, Delta, delta)
             T.fill(acc_dq, 0)
 
             for it in T.serial(n_steps):
-                T.ptx_wait_group(0)  # this block's rows have landed
-                T.sync_threads()
-                T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                _probabilities_and_ds(acc_s, acc_dp, idx_s, it * BI, lse, delta, c, scale)
-                T.copy(acc_s, p_s)
-                T.copy(acc_dp, ds_s)
-                T.gemm(ds_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                T.sync_threads()  # every warp is done with kv_s: the next block's rows may land there
-                if it + 1 < n_steps:
-                    gather(KV, idx_s, rows, kv_s, bz, it + 1, tx)
-                for cn in T.unroll(dim // chunk):
-                    T.gemm(ds_s, q_s[:, cn * chunk : cn * chunk + chunk], acc_dkv, transpose_A=True, clear_accum=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    T.gemm(p_s, do_s[:, cn * chunk : cn * chunk + chunk], acc_dkv, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    T.copy(acc_dkv, st_s)
-                    T.copy(st_s, dKV[bz, bx, it * BI : it * BI + BI, cn * chunk : cn * chunk + chunk])
+                if it < n_valid[0]:
+                    T.ptx_wait_group(0)  # this block's rows have landed
+                    T.sync_threads()
+                    T.gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                    _probabilities_and_ds(acc_s, acc_dp, idx_s, it * BI, lse, delta, c, scale)
+                    T.copy(acc_s, p_s)
+                    T.copy(acc_dp, ds_s)
+                    T.gemm(ds_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                    T.sync_threads()  # every warp is done with kv_s: the next block's rows may land there
+                    if it + 1 < n_valid[0]:
+                        gather(KV, idx_s, rows, kv_s, bz, it + 1, tx)
+                    for cn in T.unroll(dim // chunk):
+                        T.gemm(ds_s, q_s[:, cn * chunk : cn * chunk + chunk], acc_dkv, transpose_A=True,
+                               clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                        T.gemm(p_s, do_s[:, cn * chunk : cn * chunk + chunk], acc_dkv, transpose_A=True,
+                               policy=T.GemmWarpPolicy.FullCol)
+                        T.copy(acc_dkv, st_s)
+                        T.copy(st_s, dKV[bz, tile, it * BI : it * BI + BI, cn * chunk : cn * chunk + chunk])
+            T.ptx_wait_group(0)  # a query without keys still gathered (zeros into) block 0
             T.copy(acc_dq, q_s)
             T.copy(q_s, dQ[bz, s_i, h0 : h0 + HB, :])
 

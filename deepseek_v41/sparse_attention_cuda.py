@@ -19,10 +19,17 @@ query with three warpgroups:
   warpgroup 0 rescales its P once the pair's maximum is known;
 * warpgroup 0 issues the next pair's Q·Kᵀ while its last P·V of the pair runs.
 
-H200, V4.1 shape (s 4096, 64 heads, 640 slots): 0.81-0.84 ms, 409-424 TFLOP/s, 1.24-1.31x the TileLang
-forward measured in the same runs (``examples/benchmarks/attention.py --kernels``).  About 2 µs per 64-slot
-block and multiprocessor, plus ~7 µs per CTA for the pipeline's ramp at each query (a persistent version did
-not remove it: ``results/attention_h200.txt``); at 2048+ slots it runs at 510-530 TFLOP/s.
+A query runs the pairs up to its last key only: a pair of empty slots adds nothing (P = 0, the running max
+unchanged), so skipping the trailing ones (queries that see fewer compressed entries than top-k) changes no bit.
+CTAs take the queries last first, so the short CTAs of the first queries fill the final wave.
+
+H200, V4.1 shape (s 4096, 64 heads, 640 slots; FLOP counted over all 640 slots): 0.80-0.83 ms, 415-430
+TFLOP/s at ratio 1, 1.27-1.33x the TileLang forward in the same runs (``examples/benchmarks/attention.py
+--kernels``); in one process against the kernel before the skip (0.82-0.83 ms at every ratio): 0.81-0.83 ms at
+ratio 1, 0.78-0.79 at ratio 2, 0.73-0.74 at ratio 4 (464-468 TFLOP/s), bit-identical outputs
+(``attention_fwd_ab.py``).  About 2 µs per 64-slot block and multiprocessor, plus ~7 µs per CTA for the
+pipeline's ramp at each query (a persistent version did not remove it: ``results/attention_h200.txt``); at
+2048+ slots it runs at 510-530 TFLOP/s.
 
 The design follows the public description of DeepSeek's FlashMLA sparse prefill kernel; the code is ours
 (CuTe from the CUTLASS headers that TileLang ships, compiled with nvcc on first use by ``cuda_module``).
@@ -43,8 +50,9 @@ HEAD_DIM = 512
 HEADS_PER_CTA = 64
 SLOTS_PER_PAIR = 128  # two 64-slot blocks, one per math warpgroup: idx is padded to a multiple with empty slots
 # shared memory before the index row: Q 64·512·2 + K 2·64·512·2 + P 2·64·64·2 + maxima and sums 4·64·4
-# + 8 mbarriers; 1 KB more lets the kernel align its buffers to 1024 bytes (the swizzle is on address bits)
-_SMEM_FIXED = 65536 + 131072 + 16384 + 1024 + 64 + 1024
+# + 8 mbarriers + the count of slots up to the last key (16 bytes kept); 1 KB more lets the kernel align its
+# buffers to 1024 bytes (the swizzle is on address bits)
+_SMEM_FIXED = 65536 + 131072 + 16384 + 1024 + 64 + 16 + 1024
 _SMEM_MAX = 227 * 1024  # Hopper's per-block opt-in limit
 MAX_SLOTS = (_SMEM_MAX - _SMEM_FIXED) // 4 // SLOTS_PER_PAIR * SLOTS_PER_PAIR
 _FLAGS: tuple[str, ...] = ()  # cuda_module compiles with -O3 -DNDEBUG --expt-relaxed-constexpr
@@ -87,6 +95,7 @@ struct alignas(1024) Smem {
   float row_sum[2][BH];
   uint64_t ready[2][2];  // [block of the pair][half]: the gather landed
   uint64_t empty[2][2];  // [block][half]: every reader is done, the producer may refill
+  int n_valid;           // 1 + the last slot that holds a key (0: none)
   int idx[1];            // the query's index row, `slots` entries (dynamic tail)
 };
 
@@ -158,10 +167,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int n_hblk = heads / BH;
-  const int s_i = blockIdx.x / n_hblk, h0 = (blockIdx.x % n_hblk) * BH, b = blockIdx.y;
+  // the last query first: queries near the start have fewer keys (trailing empty pairs are skipped), so the short
+  // CTAs come last and fill the final wave
+  const int s_i = seq - 1 - (int)blockIdx.x / n_hblk, h0 = (blockIdx.x % n_hblk) * BH, b = blockIdx.y;
   // the warpgroup index through a shuffle, so the compiler knows it is uniform across each warp
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffff, tid / 128, 0), t = tid % 128;
-  const int n_pairs = slots / (2 * BK);
   const int* idx_row = idx + ((int64_t)b * seq + s_i) * slots;
 
   if (tid == 0) {
@@ -171,9 +181,21 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         mbar_init(&sm.empty[i][h], 128);
       }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    sm.n_valid = 0;
   }
-  for (int i = tid; i < slots; i += 384) sm.idx[i] = idx_row[i];
+  int n_valid = 0;
+  for (int i = tid; i < slots; i += 384) {
+    const int row = idx_row[i];
+    sm.idx[i] = row;
+    if (row >= 0) n_valid = i + 1;
+  }
   __syncthreads();
+  if (n_valid > 0) atomicMax(&sm.n_valid, n_valid);
+  __syncthreads();
+  // pairs up to the last key: a pair of empty slots adds nothing (P = 0, the running max unchanged), so the
+  // trailing ones (queries with fewer visible keys than top-k) are skipped.  Through a shuffle, so the compiler
+  // knows it is warp-uniform (read straight from shared memory, the loops spill registers)
+  const int n_pairs = __shfl_sync(0xffffffff, (sm.n_valid + 2 * BK - 1) / (2 * BK), 0);
 
   if (wg == 2) {
     // producer: thread t copies 16-byte chunk j of a 128-byte tile row, for rows g, g + 16, g + 32, g + 48

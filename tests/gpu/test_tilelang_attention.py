@@ -144,6 +144,48 @@ def test_backward_is_bit_deterministic_at_v41_shape(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not AVAILABLE, reason=REASON)
+def test_empty_blocks_before_between_and_after_keys():
+    # Both kernels skip the blocks after a query's last key.  Queries here have keys only in the last block of
+    # 64 slots (after empty blocks: none may be skipped), only in the first (the rest skipped), in the first and the
+    # last (an empty block between), or none; against fp32, and bit-identical with 256 more empty slots appended
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    b, s, h, n, d, k = 2, 160, 64, 300, 512, 256
+    q = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(b, n, d, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(h, device="cuda", generator=gen)
+    do = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    idx = torch.randint(0, n, (b, s, k), device="cuda", generator=gen, dtype=torch.int32)
+    pattern = torch.arange(s, device="cuda") % 5
+    blocks = idx.view(b, s, k // 64, 64)
+    blocks[:, pattern == 0, :3] = -1  # keys in the last block only
+    blocks[:, pattern == 1, 1:] = -1  # the first block only
+    blocks[:, pattern == 2, 1:3] = -1  # the first and the last
+    blocks[:, pattern == 3] = -1  # no key at all
+    blocks[:, :, :, 50:][torch.rand(b, s, k // 64, 14, device="cuda", generator=gen) < 0.5] = -1  # holes in blocks
+    scale = d**-0.5
+
+    qt, kvt, st = (t.detach().clone().requires_grad_() for t in (q, kv, sink))
+    out = kt.sparse_attention_tilelang(qt, kvt, st, idx, scale)
+    out.backward(do)
+    qr, kvr, sr = (t.detach().float().requires_grad_() for t in (q, kv, sink))
+    out_ref = sparse_attention_torch(qr, kvr, sr, idx, scale)
+    out_ref.backward(do.float())
+    errs = {"out": rel_err(out, out_ref), "dq": rel_err(qt.grad, qr.grad), "dkv": rel_err(kvt.grad, kvr.grad),
+            "dsink": rel_err(st.grad, sr.grad)}
+    assert all(e < 1e-2 for e in errs.values()), errs
+    assert out[:, pattern == 3].abs().max().item() == 0.0
+
+    padded = torch.cat([idx, torch.full_like(idx, -1)], dim=-1)
+    qp, kvp, sp = (t.detach().clone().requires_grad_() for t in (q, kv, sink))
+    out_p = kt.sparse_attention_tilelang(qp, kvp, sp, padded, scale)
+    out_p.backward(do)
+    for name, x, y in (("out", out, out_p), ("dq", qt.grad, qp.grad), ("dkv", kvt.grad, kvp.grad),
+                       ("dsink", st.grad, sp.grad)):
+        assert torch.equal(x, y), f"{name} changed when empty slots were appended"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not AVAILABLE, reason=REASON)
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_backward_sums_repeated_rows(monkeypatch, chunk):
     # idx rows may name one kv row in several slots (the model never does): each slot's gradient counts.
