@@ -29,8 +29,8 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   are skipped (they add nothing to dQ, and the row sum never reads an empty slot's tile).  ``_reduce_slot_grads``
   then sums the tiles into rows in a fixed order: a stable sort of ``idx`` gives each kv row its (query, slot)
   entries in query order and one Triton program per row adds them in fp32 (8 running sums, then a fixed tree) and
-  rounds once to bf16.  The same inputs give the same bits on every run, whatever the launch order; repeated rows in one
-  query's ``idx`` are summed like any other.  The per-slot values are rounded to bf16 before the sum (relative
+  rounds once to bf16.  The same inputs give the same bits on every run, whatever the launch order; repeated rows
+  in one query's ``idx`` are summed like any other.  The per-slot values are rounded to bf16 before the sum (relative
   error ~2⁻⁹ each, not growing with the number of terms), the same order of error as the final bf16 ``dkv``.
   ``dsink_h = −Σ p_sink·Δ`` is a cheap elementwise reduction in PyTorch.
 * backward, opt-in ``DS41_SPARSE_BWD=atomic``: a first kernel scatter-adds ``dkv[idx] += dSᵀQ + Pᵀ dO`` with fp32
