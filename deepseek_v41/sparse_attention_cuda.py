@@ -23,9 +23,10 @@ A query runs the pairs up to its last key only: a pair of empty slots adds nothi
 unchanged), so skipping the trailing ones (queries that see fewer compressed entries than top-k) changes no bit.
 CTAs take the queries last first, so the short CTAs of the first queries fill the final wave.
 
-H200, V4.1 shape (s 4096, 64 heads, 640 slots; FLOP counted over all 640 slots): 0.763-0.768 ms, 446-450
-TFLOP/s at ratio 1 and 0.744-0.769 ms at ratio 2, against 0.80-0.81 / 0.77-0.81 ms for the kernel before P went
-through stmatrix, in one process, bit-identical (``examples/benchmarks/results/attention_h200.txt``); before that,
+H200, V4.1 shape (s 4096, 64 heads, 640 slots; FLOP counted over all 640 slots): 0.756-0.768 ms, 446-455
+TFLOP/s at ratio 1, 0.731-0.769 ms at ratio 2 and 0.714-0.732 at ratio 4 (481 TFLOP/s), against 0.79-0.81,
+0.77-0.81 and 0.76-0.77 ms for the kernel before P went through stmatrix, in one process, bit-identical
+(``attention_fwd_ab.py``, two leases; ``examples/benchmarks/results/attention_h200.txt``); before that,
 in one process against the kernel before the skip (0.82-0.83 ms at every ratio): 0.81-0.83 ms at ratio 1,
 0.78-0.79 at ratio 2, 0.73-0.74 at ratio 4 (464-468 TFLOP/s), bit-identical outputs (``attention_fwd_ab.py``),
 and 1.27-1.33x the TileLang forward (``attention.py --kernels``).  About 2 µs per 64-slot block and
