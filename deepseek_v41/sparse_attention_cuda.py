@@ -137,9 +137,9 @@ __device__ __forceinline__ int swz(int row, int col) {
 }
 
 // Four 8 x 8 bf16 matrices of a warpgroup's wgmma accumulator -> a K-major swizzled buffer, one stmatrix: column
-// blocks cb and cb + 1 (8 columns each) of the warp's 16 rows.  pairs[k]: this thread's two adjacent values of
-// matrix k (rows +0 / +8 of block cb, then of block cb + 1), which is the accumulator's own order; lane l gives
-// the address of row l % 8 of matrix l / 8.
+// blocks cb and cb + 1 (8 columns each) of the warp's 16 rows.  p0..p3: this thread's two adjacent values of
+// matrix 0..3 (rows +0 / +8 of block cb, then of block cb + 1), which is the accumulator's own order; lane l
+// gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void stsm_x4(bf16* dst, int t, int cb, uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
   const int lane = t % 32, m = lane / 8;
   const int row = 16 * (t / 32) + (m % 2) * 8 + lane % 8, col = 8 * (cb + m / 2);
