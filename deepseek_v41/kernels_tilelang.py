@@ -56,6 +56,7 @@ later process with the same shapes loads them instead of rebuilding (a build tak
 kernel on the H200 machine).
 """
 
+import functools
 import os
 import threading
 
@@ -68,6 +69,7 @@ from .sparse_attention_cuda import (
     padded_slots,
     sparse_attention_forward_cuda,
 )
+from .sparse_attention_cuda_bwd import cuda_backward_kernel, cuda_backward_usable, sparse_attention_slot_grads_cuda
 
 try:
     import tilelang
@@ -605,13 +607,22 @@ def slot_chunks(s: int, h: int, k: int, d: int) -> list:
 
 
 def _attn_bwd_slot_kernels(b, s, n, h, d, k, scale, device) -> dict:
-    """The deterministic backward's kernels for one shape, built once per process: ``{queries: kernel}``, one
-    ``_build_attn_bwd_slots`` kernel over that many queries of one batch row for each chunk length of
-    ``slot_chunks``."""
-    rows = {q1 - q0: (1, q1 - q0, n, h, d, k, float(scale)) for q0, q1 in slot_chunks(s, h, k, d)}
-    return {length: _cached(("attn", row, "bfloat16", device, "bwd_slots"),
-                            lambda row=row: _compile(_build_attn_bwd_slots(*row)))
-            for length, row in rows.items()}
+    """The deterministic backward's first kernel for one shape, built once per process: ``{queries: kernel}`` for
+    each chunk length of ``slot_chunks``, called as ``kernel(q, kv, o, do, idx, lse2, delta, dq, slot_grads)`` on
+    that many queries of one batch row.  At head dim 512 on Hopper the CUDA kernel of ``sparse_attention_cuda_bwd``
+    (one for every length), else one TileLang ``_build_attn_bwd_slots`` kernel per length."""
+    if cuda_backward_usable(d, k, torch.device(*device)):
+        cuda_backward_kernel(k)  # built now (warm-up), found later
+        run = functools.partial(sparse_attention_slot_grads_cuda, scale=float(scale))
+        return {q1 - q0: run for q0, q1 in slot_chunks(s, h, k, d)}
+    return {q1 - q0: _attn_bwd_slot_kernel_tilelang(q1 - q0, n, h, d, k, scale, device)
+            for q0, q1 in slot_chunks(s, h, k, d)}
+
+
+def _attn_bwd_slot_kernel_tilelang(queries, n, h, d, k, scale, device):
+    """The TileLang ``_build_attn_bwd_slots`` kernel over ``queries`` queries of one batch row, built once per process."""
+    row = (1, queries, n, h, d, k, float(scale))
+    return _cached(("attn", row, "bfloat16", device, "bwd_slots"), lambda: _compile(_build_attn_bwd_slots(*row)))
 
 
 def _attn_bwd_atomic_kernels(b, s, n, h, d, k, scale, device) -> tuple:
@@ -624,8 +635,8 @@ def _attn_bwd_atomic_kernels(b, s, n, h, d, k, scale, device) -> tuple:
 
 def _attn_bwd_kernels(b, s, n, h, d, k, scale, device, mode) -> list:
     """Every backward kernel of one shape in ``mode`` (``backward_mode()``), built once per process."""
-    if mode == "deterministic":
-        return list(_attn_bwd_slot_kernels(b, s, n, h, d, k, scale, device).values())
+    if mode == "deterministic":  # distinct kernels (the CUDA one serves every chunk length)
+        return list({id(kernel): kernel for kernel in _attn_bwd_slot_kernels(b, s, n, h, d, k, scale, device).values()}.values())
     return list(_attn_bwd_atomic_kernels(b, s, n, h, d, k, scale, device))
 
 

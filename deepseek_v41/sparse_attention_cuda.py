@@ -62,7 +62,8 @@ _FLAGS: tuple[str, ...] = ()  # cuda_module compiles with -O3 -DNDEBUG --expt-re
 _kernels: dict = {}
 _lock = threading.Lock()
 
-_SOURCE = r"""
+# device helpers shared with the backward kernel (sparse_attention_cuda_bwd)
+HELPERS = r"""
 #include <cute/tensor.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -88,21 +89,6 @@ using MmaQK = decltype(make_tiled_mma(GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Ma
 using MmaPVreg = decltype(make_tiled_mma(GMMA::MMA_64x256x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>{}));
 using MmaPVsmem = decltype(make_tiled_mma(GMMA::MMA_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}));
 
-struct alignas(1024) Smem {
-  bf16 q[BH * D];      // Q as two 64 x 256 halves; reused to stage O at the end
-  bf16 k[2][BK * D];   // gathered kv rows of the pair's two blocks, each as two halves
-  bf16 p[2][BH * BK];  // P of warpgroup w, for the other warpgroup's P.V
-  float max_a[BH];     // row max after warpgroup 0's block, for warpgroup 1
-  float max_b[BH];     // row max after both blocks, for warpgroup 0
-  float row_sum[2][BH];
-  uint64_t ready[2][2];  // [block of the pair][half]: the gather landed
-  uint64_t empty[2][2];  // [block][half]: every reader is done, the producer may refill
-  int n_valid;           // 1 + the last slot that holds a key (0: none)
-  int idx[1];            // the query's index row, `slots` entries (dynamic tail)
-};
-
-// named barriers between the two math warpgroups (0 is __syncthreads)
-enum : int { BAR_Q = 1, BAR_MAX_A = 2, BAR_MAX_B = 3, BAR_P0 = 4, BAR_P1 = 5, BAR_SUM = 6, BAR_O0 = 7, BAR_O1 = 8 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
@@ -165,6 +151,28 @@ __device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& c,
     cute::gemm(mma, a(_, _, k), b(_, _, k), c);
   }
 }
+
+}  // namespace csa2
+"""
+
+_SOURCE = HELPERS + r"""
+namespace csa2 {
+
+struct alignas(1024) Smem {
+  bf16 q[BH * D];      // Q as two 64 x 256 halves; reused to stage O at the end
+  bf16 k[2][BK * D];   // gathered kv rows of the pair's two blocks, each as two halves
+  bf16 p[2][BH * BK];  // P of warpgroup w, for the other warpgroup's P.V
+  float max_a[BH];     // row max after warpgroup 0's block, for warpgroup 1
+  float max_b[BH];     // row max after both blocks, for warpgroup 0
+  float row_sum[2][BH];
+  uint64_t ready[2][2];  // [block of the pair][half]: the gather landed
+  uint64_t empty[2][2];  // [block][half]: every reader is done, the producer may refill
+  int n_valid;           // 1 + the last slot that holds a key (0: none)
+  int idx[1];            // the query's index row, `slots` entries (dynamic tail)
+};
+
+// named barriers between the two math warpgroups (0 is __syncthreads)
+enum : int { BAR_Q = 1, BAR_MAX_A = 2, BAR_MAX_B = 3, BAR_P0 = 4, BAR_P1 = 5, BAR_SUM = 6, BAR_O0 = 7, BAR_O1 = 8 };
 
 }  // namespace csa2
 
@@ -478,11 +486,11 @@ def _cutlass_include() -> str:
     try:
         import tilelang
     except ImportError as err:
-        raise RuntimeError("the CUDA sparse-attention forward needs the CUTLASS headers that tilelang ships: "
+        raise RuntimeError("the CUDA sparse-attention kernels need the CUTLASS headers that tilelang ships: "
                            "pip install 'deepseek_v41[gpu]'") from err
     path = os.path.join(os.path.dirname(tilelang.__file__), "3rdparty", "cutlass", "include")
     if not os.path.isfile(os.path.join(path, "cute", "tensor.hpp")):
-        raise RuntimeError(f"the CUDA sparse-attention forward needs CuTe headers; none under {path}")
+        raise RuntimeError(f"the CUDA sparse-attention kernels need CuTe headers; none under {path}")
     return path
 
 

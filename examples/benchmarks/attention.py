@@ -30,6 +30,7 @@ from gpu_timing import report, time_ms
 from deepseek_v41 import kernels_tilelang as kt
 from deepseek_v41.sparse_attention import sparse_attention_torch
 from deepseek_v41.sparse_attention_cuda import cuda_forward_usable, sparse_attention_forward_cuda
+from deepseek_v41.sparse_attention_cuda_bwd import cuda_backward_usable
 
 WINDOW = 128
 
@@ -107,9 +108,28 @@ def kernel_times(b, s, h, d, topk, ratio, warmup, reps) -> str:
         for r in range(b):
             kt._reduce_slot_grads(slot_grads[0], idx[r], dkv[r])
 
+    cuda_slots = cuda_backward_usable(d, k, q.device)
     ms_slots = time_ms(slots, warmup, reps)
     lines.append(f"attn_bwd     {ms_slots:.3f} ms {2.5 * flop / ms_slots / 1e9:6.1f} TFLOP/s (10bshkd); dQ and the per-slot "
-                 f"dkv, {b * s * k * d * 2 / ms_slots / 1e9:.2f} TB/s of bf16 written (deterministic, default)")
+                 f"dkv, {b * s * k * d * 2 / ms_slots / 1e9:.2f} TB/s of bf16 written (deterministic, default; "
+                 f"{'CUDA' if cuda_slots else 'TileLang'} slot kernel)")
+    if cuda_slots:  # the TileLang kernel of the same contract on the same inputs: its time, and how far apart they are
+        tl_kernel = kt._attn_bwd_slot_kernel_tilelang(s, n, h, d, k, scale, dev)
+        tl_out = (torch.empty_like(delta), torch.empty_like(dq), torch.empty_like(slot_grads))
+
+        def tl_slots():
+            for r in range(b):
+                sl = slice(r, r + 1)
+                tl_kernel(q[sl], kv[sl], o[sl], do[sl], idx[sl], lse2[sl], tl_out[0][sl], tl_out[1][sl], tl_out[2])
+
+        ms_tl_slots = time_ms(tl_slots, warmup, reps)
+        slots()
+        written = (idx[-1] >= 0).unsqueeze(1).expand(s, h // kt.HEADS_PER_BLOCK, k).reshape(1, -1, k)
+        diff = {name: ((x.double() - y.double()).norm() / y.double().norm()).item()
+                for name, x, y in (("dq", dq[-1], tl_out[1][-1]), ("slot dkv", slot_grads[written], tl_out[2][written]))}
+        lines.append(f"attn_bwd     {ms_tl_slots:.3f} ms {2.5 * flop / ms_tl_slots / 1e9:6.1f} TFLOP/s TileLang slot kernel "
+                     f"(the CUDA one is {ms_tl_slots / ms_slots:.2f}x; relative L2 difference, last batch row: "
+                     + ", ".join(f"{name} {v:.1e}" for name, v in diff.items()) + ")")
     ms_red = time_ms(reduce, warmup, reps)
     lines.append(f"dkv reduce   {ms_red:.3f} ms sort + fixed-order sum by row, {b * s * k * d * 2 / ms_red / 1e9:.2f} TB/s "
                  "of per-slot rows read")

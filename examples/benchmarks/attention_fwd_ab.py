@@ -33,8 +33,13 @@ def kernel_source_at(rev: str) -> str:
     """The CUDA source string (``_SOURCE``) of sparse_attention_cuda.py at git revision ``rev``."""
     text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:deepseek_v41/sparse_attention_cuda.py"],
                           capture_output=True, text=True, check=True).stdout
-    start = text.index('_SOURCE = r"""') + len('_SOURCE = r"""')
-    return text[start : text.index('"""', start)]
+
+    def raw_string(name):  # the body of `name = ... r"""..."""`
+        start = text.index('r"""', text.index(f"\n{name} = ")) + len('r"""')
+        return text[start : text.index('"""', start)]
+
+    # later revisions keep the device helpers (shared with the backward) in HELPERS, prefixed to _SOURCE
+    return (raw_string("HELPERS") if "\nHELPERS = " in text else "") + raw_string("_SOURCE")
 
 
 def main():

@@ -274,11 +274,16 @@ def test_indexer_scores_match_torch(b, s, ratio):
 def test_warmup_builds_and_caches():
     spec = {"b": 1, "s": 128, "n": 192, "h": 64, "d": 512, "k": 192, "scale": 512**-0.5}
     indexer = {"kind": "indexer", "b": 1, "s": 128, "T": 64, "H": 32, "D": 128, "ratio": 2}
+    from deepseek_v41 import sparse_attention_cuda, sparse_attention_cuda_bwd
+
+    def cached():  # TileLang's kernels and the CUDA ones (head dim 512 on Hopper)
+        return len(kt._KERNELS) + len(sparse_attention_cuda._kernels) + len(sparse_attention_cuda_bwd._kernels)
+
     built = kt.warmup_tilelang_kernels([spec, indexer])
-    size = len(kt._KERNELS)
+    size = cached()
     assert built >= 3 and size >= 3
     kt.warmup_tilelang_kernels([spec])
-    assert len(kt._KERNELS) == size  # second call hits the in-process cache
+    assert cached() == size  # second call hits the in-process cache
     with pytest.raises(TypeError, match="one dict per kernel shape"):
         kt.warmup_tilelang_kernels([(1, 128)])
 
@@ -376,3 +381,99 @@ def test_backend_forward_uses_cuda_at_d512_unless_told_otherwise(monkeypatch):
     assert rel_err(out_cuda, out_tl) < 5e-3
     kernel = sparse_attention_cuda.cuda_forward_kernel(256)
     assert kernel.local_bytes() == 0, "the CUDA forward spills registers"
+
+
+# ---- the CUDA backward's slot kernel (head dim 512 on Hopper) ----
+
+
+@pytest.mark.parametrize(
+    "b,s,h,n,k,empty",
+    [
+        pytest.param(2, 160, 128, 300, 256, 0.3, id="b2_h128_k256_empty30"),
+        pytest.param(1, 130, 64, 5000, 640, 0.0, id="k640_full"),
+    ],
+)
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fwd_usable(), reason=REASON or "the CUDA backward needs a Hopper GPU")
+def test_cuda_slot_kernel_matches_tilelang_and_fp32(b, s, h, n, k, empty):
+    # Δ, dQ and every written slot gradient against the TileLang kernel of the same contract, and the summed dkv
+    # against fp32 autograd; queries with keys in the first block only (later blocks skipped, never written), none at
+    # all, or only in the last block; twice bit-identical; no register spills
+    from deepseek_v41 import sparse_attention_cuda_bwd as bwd
+    from deepseek_v41.sparse_attention_cuda import sparse_attention_forward_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(k + h + 1)
+    d, scale, g = 512, 512**-0.5, h // 64
+    q = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(b, n, d, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(h, device="cuda", generator=gen)
+    do = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    idx = torch.randint(0, n, (b, s, k), device="cuda", generator=gen, dtype=torch.int32)
+    idx[torch.rand(b, s, k, device="cuda", generator=gen) < empty] = -1
+    idx[0, 3, 64:] = -1  # the first block only
+    idx[0, 4] = -1  # no key
+    idx[-1, 5, : k - 64] = -1  # the last block only
+    o, lse2 = sparse_attention_forward_cuda(q, kv, idx, (sink * kt.LOG2E).contiguous(), scale)
+
+    def cuda_run():
+        out = (torch.full((b, s, h), float("nan"), device="cuda"), torch.full_like(q, float("nan")),
+               torch.full((b, s * g, k, d), float("nan"), device="cuda", dtype=torch.bfloat16))
+        bwd.sparse_attention_slot_grads_cuda(q, kv, o, do, idx, lse2, *out, scale)
+        return out
+
+    delta, dq, slots = cuda_run()
+    tl_out = (torch.empty(b, s, h, device="cuda"), torch.empty_like(q),
+              torch.zeros(b, s * g, k, d, device="cuda", dtype=torch.bfloat16))
+    kt._compile(kt._build_attn_bwd_slots(b, s, n, h, d, k, scale))(q, kv, o, do, idx, lse2, *tl_out)
+    delta_tl, dq_tl, slots_tl = tl_out
+
+    written = (idx >= 0).unsqueeze(2).expand(b, s, g, k).reshape(b, s * g, k)
+    blocks = (idx.view(b, s, k // 64, 64) >= 0).any(-1)  # blocks up to the last key are written
+    last = torch.where(blocks, torch.arange(1, k // 64 + 1, device="cuda"), 0).amax(-1)
+    in_run = (torch.arange(k, device="cuda") // 64 < last.unsqueeze(-1)).unsqueeze(2).expand(b, s, g, k)
+    in_run = in_run.reshape(b, s * g, k)
+    assert torch.isfinite(slots[in_run]).all() and slots[~in_run].isnan().all()
+    assert torch.equal(slots[in_run & ~written], torch.zeros_like(slots[in_run & ~written]))
+    errs = {
+        "delta": rel_err(delta, (do.float() * o.float()).sum(-1)),
+        "delta_vs_tilelang": rel_err(delta, delta_tl),
+        "dq_vs_tilelang": rel_err(dq, dq_tl),
+        "slots_vs_tilelang": rel_err(slots[written], slots_tl[written]),
+    }
+    dkv = torch.empty(b, n, d, device="cuda", dtype=torch.bfloat16)
+    for r in range(b):
+        kt._reduce_slot_grads(slots[r], idx[r], dkv[r])
+    qr, kvr = (t.detach().float().requires_grad_() for t in (q, kv))
+    sparse_attention_torch(qr, kvr, sink, idx, scale).backward(do.float())
+    errs |= {"dq_vs_fp32": rel_err(dq, qr.grad), "dkv_vs_fp32": rel_err(dkv, kvr.grad)}
+    print(errs)
+    assert errs["delta"] < 1e-5 and errs["delta_vs_tilelang"] < 1e-5, errs
+    assert errs["dq_vs_tilelang"] < 5e-3 and errs["slots_vs_tilelang"] < 5e-3, errs
+    assert errs["dq_vs_fp32"] < 1e-2 and errs["dkv_vs_fp32"] < 1e-2, errs
+    assert dq[0, 4].abs().max().item() == 0.0  # no key: no gradient
+    again = cuda_run()
+    assert all(torch.equal(x[m], y[m]) for x, y, m in zip(again, (delta, dq, slots), (..., ..., in_run)))
+    assert bwd.cuda_backward_kernel(k).local_bytes() == 0, "the CUDA backward spills registers"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fwd_usable(), reason=REASON or "the CUDA backward needs a Hopper GPU")
+def test_backend_backward_uses_cuda_slots_at_d512_unless_told_otherwise(monkeypatch):
+    from deepseek_v41 import sparse_attention_cuda_bwd
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return sparse_attention_cuda_bwd.sparse_attention_slot_grads_cuda(*args, **kwargs)
+
+    monkeypatch.setattr(kt, "sparse_attention_slot_grads_cuda", counting)
+    q, kv, sink, idx, do = make_case(2, 128, 64, 512, 64, 2, seed=4)
+    monkeypatch.delenv("DS41_SPARSE_BWD", raising=False)
+    cuda = _grads(q, kv, sink, idx, do, 512**-0.5)
+    assert len(calls) == 2  # one batch row at a time
+    monkeypatch.setenv("DS41_SPARSE_BWD_SLOTS", "tilelang")
+    tile = _grads(q, kv, sink, idx, do, 512**-0.5)
+    assert len(calls) == 2
+    for name, x, y in zip(("dq", "dkv", "dsink"), cuda, tile):
+        assert rel_err(x, y) < 5e-3, (name, rel_err(x, y))
