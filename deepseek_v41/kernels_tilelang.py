@@ -20,7 +20,9 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   its time.  Row sums are kept per slot column and reduced once at the end; the row max still needs
   a cross-warpgroup reduction per block.  Per-warpgroup structures that avoid it were slower
   (``results/attention_h200.txt``).
-* backward (default, bit-deterministic): one kernel computes ``Δ = rowsum(dO·O)``, recomputes
+* backward (default, bit-deterministic): one kernel (at head dim 512 on Hopper the hand-written CUDA kernel of
+  ``sparse_attention_cuda_bwd``, 1.1x the TileLang one described here, unless ``DS41_SPARSE_BWD_SLOTS=tilelang``)
+  computes ``Δ = rowsum(dO·O)``, recomputes
   ``P = exp2(logit·log2e − lse2)`` per block of 64 slots, forms ``dS = scale·P·(dP − Δ)``, accumulates
   ``dQ = dS·kv[idx]`` and writes each slot's kv gradient ``dSᵀQ + Pᵀ dO`` (bf16, one [k, d] tile per query and 64
   heads; the kernel runs one batch row at a time, so the buffer is s·k·d·2 bytes).  While a block's kv gradients
