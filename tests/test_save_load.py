@@ -94,7 +94,7 @@ def test_remote_code_files_need_no_gpu_package():
 
     names = {f.name for f in remote_code_files()}
     assert {"kernels_tilelang.py", "kernels_triton.py", "mhc_tile_kernels.py", "mhc.py", "quantization.py",
-            "engram.py", "sparse_attention_cuda.py", "cuda_module.py"} <= names
+            "engram.py", "sparse_attention_cuda.py", "sparse_attention_cuda_bwd.py", "cuda_module.py"} <= names
     optional = {"tilelang", "tile_kernels", "transformer_engine", "deep_ep", "triton"}
     for file in remote_code_files():
         assert not optional & set(get_imports(str(file))), file.name
