@@ -23,6 +23,13 @@ step.  Here one CTA has three warpgroups:
 Blocks after the query's last key are skipped (nothing to add to dQ, and the row sum never reads an empty slot's
 tile) and CTAs take the queries last first, as in the TileLang kernel.  Shared memory: Q, dO and one kv block
 (64 KB each), P and dS (8 KB each) and the index row.
+
+H200, V4.1 shape (s 4096, 64 heads, 640 slots, FLOP 10·s·h·k·d over all slots): 2.22-2.27 ms, 379-386 TFLOP/s, against
+2.49-2.52 ms for the TileLang kernel in the same process at ratio 1 (1.11x), 2.16-2.18 against 2.41-2.43 at ratio 2;
+dQ and the slot gradients 1.5e-5 and 0.7-1.1e-5 apart (relative L2) (``attention_bwd_ab.py``, ``attention.py
+--kernels``, three leases).  ncu: tensor pipe 38 % busy, shared memory 61 %: the warpgroups wait on each other's steps
+and on the wgmma pipeline, not on bandwidth.  Issuing the next block's S while the last column tile is stored was
+slower; probes and figures in ``examples/benchmarks/results/attention_h200.txt``.
 """
 
 import ctypes
