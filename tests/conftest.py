@@ -2,8 +2,10 @@
 and tiny configs that still contain every CSA2 layer kind."""
 
 import copy
+import fcntl
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,26 @@ def tiny_model(v4_tokenizer, dtype=torch.float32, seed=0, **config_kwargs):
     torch.manual_seed(seed)
     with default_dtype(dtype):
         return DeepseekV41ForCausalLM(tiny_config(**config_kwargs), tokenizer=v4_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The CPU demo's tiny released-format checkpoint, written once per run and only read by the tests (each
+    launch that wrote its own paid a Python start-up for it); pytest-xdist workers share it through their common
+    temporary root."""
+    from test_training_parallel import make_tiny_checkpoint
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / "tiny_checkpoint"
+    with open(root / "tiny_checkpoint.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_dir():
+            partial = root / "tiny_checkpoint.partial"  # renamed when complete: a failed write is not reused
+            shutil.rmtree(partial, ignore_errors=True)
+            make_tiny_checkpoint(partial).rename(path)
+    return path
 
 
 def golden_config_dict(name: str) -> dict:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import GOLDEN, REPO, SHARED, golden_dir, tiny_model
 from safetensors.torch import load_file
-from test_training_parallel import make_tiny_checkpoint, run_torchrun, torchrun_env
+from test_training_parallel import run_torchrun, torchrun_env
 
 from deepseek_v41 import hf_export
 from deepseek_v41.checkpoint import ReleasedCheckpoint
@@ -364,12 +364,10 @@ def test_recipe_refuses_an_export_dir_overlapping_the_run(tmp_path):
 WORKER = Path(__file__).resolve().parent / "export_worker.py"
 
 
-def test_two_rank_export_equals_save_pretrained(tmp_path):
+def test_two_rank_export_equals_save_pretrained(tiny_checkpoint, tmp_path):
     """FSDP2 + EP 2 + Engram owners 2 as the trainer builds them; the export, floating point and released
     format, equals save_pretrained of the same weights tensor for tensor, byte for byte."""
-    ckpt = tmp_path / "ckpt"
-    make_tiny_checkpoint(ckpt)
-    out = run_torchrun(WORKER, ckpt, tmp_path, timeout=600)
+    out = run_torchrun(WORKER, tiny_checkpoint, tmp_path, timeout=600)
     assert "EXPORT DONE" in out
     for kind in ("fp", "release"):
         assert_same_tensors(tensors_of(tmp_path / f"sharded_{kind}"), tensors_of(tmp_path / f"reference_{kind}"))

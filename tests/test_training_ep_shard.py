@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_training_parallel import make_tiny_checkpoint, torchrun_env
+from test_training_parallel import torchrun_env
 from test_training_resume import FP32, full_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,9 +26,9 @@ TINY = ["--step_scheduler.val_every_steps=0", "--step_scheduler.global_batch_siz
         "--fsdp.activation_checkpointing=false", "--step_scheduler.max_steps=3"]
 
 
-def launch(tmp, out, world, ep, *overrides):
+def launch(ckpt, out, world, ep, *overrides):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           str(Path(__file__)), str(RECIPE), f"--model.config.pretrained_model_name_or_path={tmp / 'ckpt'}",
+           str(Path(__file__)), str(RECIPE), f"--model.config.pretrained_model_name_or_path={ckpt}",
            f"--output_dir={out}", f"--distributed.ep_size={ep}", f"--distributed.engram_owners={world}",
            *FP32, *TINY, *overrides]
     result = subprocess.run(cmd, check=False, env=torchrun_env(), capture_output=True, text=True, timeout=420,
@@ -42,13 +42,12 @@ def records(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_checkpoint):
     tmp = tmp_path_factory.mktemp("ep_shard")
-    make_tiny_checkpoint(tmp / "ckpt")
     a, b = tmp / "A", tmp / "B"
-    out_a = launch(tmp, a, 4, 2, "--checkpoint.save_every_steps=2", f"--checkpoint.export_dir={tmp / 'export'}",
-                   f"--reload={a / 'checkpoints' / 'step_00000002'}")
-    out_b = launch(tmp, b, 2, 2, f"--reload={a / 'checkpoints' / 'step_00000002'}")
+    out_a = launch(tiny_checkpoint, a, 4, 2, "--checkpoint.save_every_steps=2",
+                   f"--checkpoint.export_dir={tmp / 'export'}", f"--reload={a / 'checkpoints' / 'step_00000002'}")
+    out_b = launch(tiny_checkpoint, b, 2, 2, f"--reload={a / 'checkpoints' / 'step_00000002'}")
     return a, b, out_a, out_b, tmp / "export"
 
 

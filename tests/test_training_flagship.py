@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from test_training_parallel import make_tiny_checkpoint, torchrun_env
+from test_training_parallel import torchrun_env
 
 REPO = Path(__file__).resolve().parents[1]
 FLAGSHIP = REPO / "examples" / "configs" / "deepseek_v41_flash_hellaswag.yaml"
@@ -35,13 +35,12 @@ OVERRIDES = {
 }
 
 
-def test_flagship_recipe_runs_two_updates_on_cpu(tmp_path):
+def test_flagship_recipe_runs_two_updates_on_cpu(tiny_checkpoint, tmp_path):
     flagship = yaml.safe_load(FLAGSHIP.read_text())
     assert flagship["model"]["config"]["backend"]["dispatcher"] == "torch"  # exercised as written (EP 2)
-    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
-    make_tiny_checkpoint(ckpt)
+    out = tmp_path / "run"
     args = [f"--{k}={json.dumps(v)}" for k, (v, _) in OVERRIDES.items()] + [f"--output_dir={out}"]
-    env = {**torchrun_env(), "DS41_CHECKPOINT": str(ckpt)}
+    env = {**torchrun_env(), "DS41_CHECKPOINT": str(tiny_checkpoint)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "examples" / "finetune.py"), "--config", str(FLAGSHIP), *args]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)

@@ -156,14 +156,13 @@ def test_trainer_check_refuses_a_layout_that_cannot_fit(released, monkeypatch):
     assert "fits: yes" in plan.check_layout(recipe, config, 64, torch.device("cuda"))
 
 
-def test_cli_prints_the_plan(tmp_path):
-    from test_training_parallel import make_tiny_checkpoint, torchrun_env
+def test_cli_prints_the_plan(tiny_checkpoint):
+    from test_training_parallel import torchrun_env
 
-    ckpt = tmp_path / "ckpt"
-    make_tiny_checkpoint(ckpt)
     out = subprocess.run([sys.executable, "-m", "deepseek_v41.training.plan", "examples/configs/tiny_cpu.yaml",
                           "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem-gib", "0.05",
-                          f"--model.config.pretrained_model_name_or_path={ckpt}", "--fsdp.activation_checkpointing=true"],
+                          f"--model.config.pretrained_model_name_or_path={tiny_checkpoint}",
+                          "--fsdp.activation_checkpointing=true"],
                          env=torchrun_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
                          check=False)
     assert out.returncode == 1, out.stderr[-3000:]  # 50 MiB cannot hold the tiny model's fp32 logits

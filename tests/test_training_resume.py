@@ -42,10 +42,17 @@ def losses(out: Path) -> dict:
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
+def run_dir(tmp_path_factory, name: str, checkpoint: Path) -> Path:
+    """A folder for ``launch``, its ``ckpt`` the run's shared tiny checkpoint (``launch`` would write one)."""
+    tmp = tmp_path_factory.mktemp(name)
+    (tmp / "ckpt").symlink_to(checkpoint)
+    return tmp
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, tiny_checkpoint):
     """World 2 (EP 2, owners 2), async saves after every update, keep_last 3: steps 2, 3, 4 remain."""
-    tmp = tmp_path_factory.mktemp("dcp")
+    tmp = run_dir(tmp_path_factory, "dcp", tiny_checkpoint)
     launch(tmp, tmp / "A", "--checkpoint.save_every_steps=1", "--checkpoint.async_save=true",
            "--checkpoint.keep_last=3")
     return tmp, tmp / "A" / "checkpoints"
@@ -57,9 +64,9 @@ FP32 = ["--model.config.dtype=float32", "--fsdp.param_dtype=float32", "--optimiz
 
 
 @pytest.fixture(scope="module")
-def saved_fp32(tmp_path_factory):
+def saved_fp32(tmp_path_factory, tiny_checkpoint):
     """The same run in fp32 (world 2, EP 2, owners 2), 5 updates, saved at step 2 (and 4)."""
-    tmp = tmp_path_factory.mktemp("dcp32")
+    tmp = run_dir(tmp_path_factory, "dcp32", tiny_checkpoint)
     launch(tmp, tmp / "A", "--checkpoint.save_every_steps=2", "--step_scheduler.max_steps=5", *FP32)
     return tmp, tmp / "A" / "checkpoints"
 
