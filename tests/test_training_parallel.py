@@ -1,12 +1,14 @@
 """Expert parallelism and row-owner Engram on 2 CPU ranks (gloo) against single-process references.
 
-Each pytest case launches this file under ``torchrun --nproc_per_node 2``; the worker half below runs the
-case on both ranks and exits non-zero on any mismatch.
+One ``torchrun --nproc_per_node 2`` launch of this file runs every case (each rank starts Python once, not once
+per case); the worker half below runs the cases on both ranks, prints each one's result, and stops at the first
+mismatch with its traceback; each pytest case checks its own result in the output.
 """
 
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,39 +30,40 @@ def make_tiny_checkpoint(out: Path) -> Path:
     return out
 
 
-def run_torchrun(script: Path, *args, timeout=180, nproc=2) -> str:
+def run_torchrun(script: Path, *args, timeout=180, nproc=2, check=True) -> str:
+    """-> the launch's stdout; ``check``: a failed launch fails here, with its output."""
     env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(script), *map(str, args)]
     result = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0 or not check, f"torchrun failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result.stdout
 
 
-def test_expert_parallel_matches_local():
-    """Random routing, and routing that sends every token to rank 0's experts (rank 1 receives nothing)."""
-    out = run_torchrun(Path(__file__), "ep")
-    assert "EP OK random" in out and "EP OK all_to_rank0" in out
-
-
-def test_row_owner_engram_matches_single_table():
-    assert "ENGRAM OK" in run_torchrun(Path(__file__), "engram")
-
-
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+def gloo_cases(tiny_checkpoint, tmp_path_factory) -> str:
+    """The output of one launch running every case below, cheapest first."""
+    return run_torchrun(Path(__file__), "all", tiny_checkpoint, tmp_path_factory.mktemp("model"), timeout=400,
+                        check=False)
 
 
-def test_sharded_step_matches_single_process(tiny_checkpoint, tmp_path):
+def test_row_owner_engram_matches_single_table(gloo_cases):
+    assert "ENGRAM OK" in gloo_cases, gloo_cases[-4000:]
+
+
+def test_expert_parallel_matches_local(gloo_cases):
+    """Random routing, and routing that sends every token to rank 0's experts (rank 1 receives nothing)."""
+    assert "EP OK random" in gloo_cases and "EP OK all_to_rank0" in gloo_cases, gloo_cases[-4000:]
+
+
+def test_sharded_step_matches_single_process(gloo_cases):
     """FSDP2 + EP2 + Engram owners, and FSDP2 + EP1, on 2 ranks vs one process holding the whole global batch.
 
     Run in fp32 end to end, so the comparison checks the distributed arithmetic (loss normalization,
     all-to-all routing, owner divisor, FSDP means) at fp32 round-off: loss to 1e-5, every gradient to a
     relative L2 error below 1e-4.
     """
-    out = run_torchrun(Path(__file__), "model", tiny_checkpoint, tmp_path, timeout=300)
-    assert "MODEL OK ep=2" in out and "MODEL OK ep=1" in out
+    assert "MODEL OK ep=2" in gloo_cases and "MODEL OK ep=1" in gloo_cases, gloo_cases[-4000:]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -253,14 +256,22 @@ if __name__ == "__main__":
         dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
     else:
         dist.init_process_group("gloo")
+    cases = {
+        "engram": _engram_case,
+        "ep": lambda: [_ep_case(routing) for routing in ("random", "all_to_rank0")],
+        "model": lambda: _model_case(sys.argv[2], sys.argv[3], "gloo"),
+        "model_nccl": lambda: _model_case(sys.argv[2], sys.argv[3], "nccl"),
+    }
     try:
-        if case == "ep":
-            _ep_case("random")
-            _ep_case("all_to_rank0")
-        elif case == "engram":
-            _engram_case()
-        elif case in ("model", "model_nccl"):
-            _model_case(sys.argv[2], sys.argv[3], "nccl" if case == "model_nccl" else "gloo")
+        if case == "all":
+            for name in ("engram", "ep", "model"):
+                try:
+                    cases[name]()
+                except Exception:  # on stdout too, where the tests look; torchrun then stops the other rank
+                    print(f"CASE {name} FAILED on rank {dist.get_rank()}:\n{traceback.format_exc()}", flush=True)
+                    raise
+        elif case in cases:
+            cases[case]()
         else:
             raise SystemExit(f"unknown case {case}")
         dist.barrier()  # both ranks leave together: a gloo pair torn down mid-exchange aborts the process
