@@ -33,17 +33,23 @@ def test_bad_recipe_fails_with_the_fix(tmp_path):
     assert "world size 2 is not divisible by distributed.ep_size=3" in result.stdout + result.stderr
 
 
+# The README command stopped after 40 of its 100 updates, validating after 20 and 40 instead of 50 and 100: the
+# same first 40 updates, bit for bit (the schedule and the data order do not depend on max_steps), in half the time.
+# Their loss falls by ~1.9 (the 100 updates: ~4.2), past this test's 1.0.
+SHORT = ["--step_scheduler.max_steps=40", "--step_scheduler.val_every_steps=20"]
+
+
 @pytest.mark.slow
-def test_tiny_recipe_100_updates_learns_validates_and_exports(tmp_path):
-    """The README command (100 updates, validation after 50 and 100), plus an export of the final weights:
-    metrics records complete and finite, warmup from lr 0, loss falls, and the export loads."""
+def test_tiny_recipe_learns_validates_and_exports(tmp_path):
+    """The README command (its first 40 updates, see ``SHORT``), plus an export of the final weights: metrics
+    records complete and finite, warmup from lr 0, loss falls, validation loss falls, and the export loads."""
     ckpt, out, export = tmp_path / "ckpt", tmp_path / "run", tmp_path / "export"
     result = finetune(f"--model.config.pretrained_model_name_or_path={ckpt}", f"--output_dir={out}",
-                      f"--checkpoint.export_dir={export}", timeout=900)
+                      f"--checkpoint.export_dir={export}", *SHORT, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "creating the tiny checkpoint" in result.stdout and "tokens/s" in result.stdout
     steps, vals = read_metrics(out)
-    assert [r["step"] for r in steps] == list(range(1, 101)) and [v["step"] for v in vals] == [50, 100]
+    assert [r["step"] for r in steps] == list(range(1, 41)) and [v["step"] for v in vals] == [20, 40]
     for r in steps:
         assert set(r) == {"step", "loss", "grad_norm", "lr", "tokens_per_s"}
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["tokens_per_s"] > 0
