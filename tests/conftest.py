@@ -3,6 +3,7 @@ and tiny configs that still contain every CSA2 layer kind."""
 
 import copy
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -74,6 +75,27 @@ def tiny_model(v4_tokenizer, dtype=torch.float32, seed=0, **config_kwargs):
     torch.manual_seed(seed)
     with default_dtype(dtype):
         return DeepseekV41ForCausalLM(tiny_config(**config_kwargs), tokenizer=v4_tokenizer)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compression_map_once():
+    """Engram's compression map (about 2 s for the 129K-token vocabulary, on every model build) is a pure function
+    of the tokenizer: models built in this process reuse it per tokenizer content.  test_engram_hashing.py checks
+    ``build_compression_map`` itself, which this leaves alone (only ``engram_constants``' reference is wrapped)."""
+    from deepseek_v41 import engram
+    from deepseek_v41.engram_hashing import _backend_tokenizer
+
+    cache, derive = {}, engram.build_compression_map
+
+    def cached(tokenizer):
+        key = hashlib.sha256(_backend_tokenizer(tokenizer).to_str().encode()).digest()
+        if key not in cache:
+            cache[key] = derive(tokenizer)
+        return cache[key].clone()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engram, "build_compression_map", cached)
+        yield
 
 
 @pytest.fixture(scope="session")
