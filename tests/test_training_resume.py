@@ -3,7 +3,10 @@ damaged folders, refused recipe changes, and no hang when one rank fails.
 
 One saved run (world 2, EP 2, 2 Engram owners, async saves every update) is shared by every bf16 case; an
 fp32 twin of it (saved at step 2) is resumed at world 1 and 4 and must reproduce its steps 3-5 to 1e-5.
-This file is also the torchrun worker for the kill-during-save and one-rank-fails cases (``__main__``).
+Runs on the same number of ranks share one launch (the twin follows the bf16 run; at world 4 both resume, one
+after the other): each rank's Python start-up is most of a tiny run's time.
+This file is also the torchrun worker for these launches and the kill-during-save and one-rank-fails cases
+(``__main__``).
 """
 
 import json
@@ -24,14 +27,24 @@ TINY = ["--step_scheduler.val_every_steps=0", "--step_scheduler.global_batch_siz
         "--fsdp.activation_checkpointing=false", "--step_scheduler.max_steps=4"]
 
 
-def launch(tmp, out, *overrides, world=2, worker=None, check=True, timeout=420):
-    """The tiny recipe on ``world`` gloo ranks (through this file's worker when ``worker``); -> the process."""
+def run_args(tmp, out, world, *overrides) -> list:
+    """One run's arguments: the tiny recipe on ``world`` ranks (EP ``world``, ``world`` Engram owners)."""
+    return [str(RECIPE), f"--model.config.pretrained_model_name_or_path={tmp / 'ckpt'}", f"--output_dir={out}",
+            f"--distributed.ep_size={world}", f"--distributed.engram_owners={world}", *TINY, *overrides]
+
+
+THEN = "--then"  # between the runs of one launch
+
+
+def launch(tmp, out, *overrides, world=2, worker=None, check=True, timeout=420, then=()):
+    """The tiny recipe on ``world`` gloo ranks (through this file's worker when ``worker``); -> the process.
+    ``then``: more runs (``run_args`` lists) that the worker makes after this one, in the same processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     script = [str(Path(__file__)), worker] if worker else [str(REPO / "examples" / "finetune.py")]
+    assert worker or not then, "only this file's worker makes several runs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *script,
-           str(RECIPE), f"--model.config.pretrained_model_name_or_path={tmp / 'ckpt'}", f"--output_dir={out}",
-           f"--distributed.ep_size={world}", f"--distributed.engram_owners={world}", *TINY, *overrides]
+           *run_args(tmp, out, world, *overrides), *(a for args in then for a in (THEN, *args))]
     result = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -49,26 +62,31 @@ def run_dir(tmp_path_factory, name: str, checkpoint: Path) -> Path:
     return tmp
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, tiny_checkpoint):
-    """World 2 (EP 2, owners 2), async saves after every update, keep_last 3: steps 2, 3, 4 remain."""
-    tmp = run_dir(tmp_path_factory, "dcp", tiny_checkpoint)
-    launch(tmp, tmp / "A", "--checkpoint.save_every_steps=1", "--checkpoint.async_save=true",
-           "--checkpoint.keep_last=3")
-    return tmp, tmp / "A" / "checkpoints"
-
-
 # Full fp32 (weights, compute, FSDP gathers, Adam moments): the layout-invariance check of the resharded resume.
 FP32 = ["--model.config.dtype=float32", "--fsdp.param_dtype=float32", "--optimizer.exp_avg_dtype=float32",
         "--optimizer.exp_avg_sq_dtype=float32"]
+FP32_RUN = [*FP32, "--step_scheduler.max_steps=5"]
 
 
 @pytest.fixture(scope="module")
-def saved_fp32(tmp_path_factory, tiny_checkpoint):
-    """The same run in fp32 (world 2, EP 2, owners 2), 5 updates, saved at step 2 (and 4)."""
-    tmp = run_dir(tmp_path_factory, "dcp32", tiny_checkpoint)
-    launch(tmp, tmp / "A", "--checkpoint.save_every_steps=2", "--step_scheduler.max_steps=5", *FP32)
-    return tmp, tmp / "A" / "checkpoints"
+def saved_runs(tmp_path_factory, tiny_checkpoint):
+    """World 2 (EP 2, owners 2): the bf16 run, async saves after every update, keep_last 3 (steps 2, 3, 4
+    remain); then the same run in fp32, 5 updates, saved at step 2 (and 4). -> their (folder, checkpoints)."""
+    tmp, tmp32 = run_dir(tmp_path_factory, "dcp", tiny_checkpoint), run_dir(tmp_path_factory, "dcp32", tiny_checkpoint)
+    launch(tmp, tmp / "A", "--checkpoint.save_every_steps=1", "--checkpoint.async_save=true",
+           "--checkpoint.keep_last=3", worker="train",
+           then=[run_args(tmp32, tmp32 / "A", 2, "--checkpoint.save_every_steps=2", *FP32_RUN)])
+    return (tmp, tmp / "A" / "checkpoints"), (tmp32, tmp32 / "A" / "checkpoints")
+
+
+@pytest.fixture(scope="module")
+def saved(saved_runs):
+    return saved_runs[0]
+
+
+@pytest.fixture(scope="module")
+def saved_fp32(saved_runs):
+    return saved_runs[1]
 
 
 def test_async_saves_are_committed_and_pruned(saved):
@@ -117,8 +135,21 @@ def full_state(folder) -> dict:
     return state
 
 
+@pytest.fixture(scope="module")
+def resumed(saved, saved_fp32):
+    """Both saved runs resumed from step 2 at world 4 (one launch), the fp32 one also at world 1, each saving the
+    state it loaded again first. -> {(precision, world): the launch's stdout}."""
+    (tmp, root), (tmp32, root32) = saved, saved_fp32
+    args = [f"--checkpoint.resume_from={root / 'step_00000002'}"]
+    args32 = [f"--checkpoint.resume_from={root32 / 'step_00000002'}", *FP32_RUN]
+    four = launch(tmp, tmp / "W4", *args, world=4, worker="resave_after_resume",
+                  then=[run_args(tmp32, tmp32 / "W4", 4, *args32)]).stdout
+    one = launch(tmp32, tmp32 / "W1", *args32, world=1, worker="resave_after_resume").stdout
+    return {("bf16", 4): four, ("fp32", 4): four, ("fp32", 1): one}
+
+
 @pytest.mark.parametrize("precision, world", [("bf16", 4), ("fp32", 1), ("fp32", 4)])
-def test_resume_at_another_layout_reshards(saved, saved_fp32, precision, world):
+def test_resume_at_another_layout_reshards(saved, saved_fp32, resumed, precision, world):
     """Saved at world 2 (EP 2, owners 2), resumed at world 1 / world 4 (EP 4, owners 4) from step 2.
 
     Both precisions: the state loaded at the new layout, saved again there, equals the saved state bit for
@@ -133,11 +164,8 @@ def test_resume_at_another_layout_reshards(saved, saved_fp32, precision, world):
     import torch
 
     tmp, root = saved if precision == "bf16" else saved_fp32
-    extra = [] if precision == "bf16" else [*FP32, "--step_scheduler.max_steps=5"]
     out = tmp / f"W{world}"
-    result = launch(tmp, out, f"--checkpoint.resume_from={root / 'step_00000002'}", *extra, world=world,
-                    worker="resave_after_resume")
-    assert "at step 2" in result.stdout
+    assert f"resumed from {root / 'step_00000002'} at step 2" in resumed[precision, world]
     before, after = full_state(root / "step_00000002"), full_state(out / "checkpoints" / "step_00000002")
     assert sorted(before) == sorted(after)
     assert any(k.endswith(".remainder") for k in before) == (precision == "bf16")
@@ -308,6 +336,7 @@ def test_bad_checkpoint_keys(key, value, message):
 
 
 def _worker(case: str, argv: list) -> None:
+    """``case`` patches the trainer for a test (``train``: nothing); ``argv``: runs separated by ``THEN``."""
     import torch
     import torch.distributed as dist
 
@@ -344,7 +373,15 @@ def _worker(case: str, argv: list) -> None:
                 dist.all_reduce(torch.ones(1))
 
         loop.Trainer = FailingTrainer
-    loop.run(load_recipe(argv[0], parse_overrides(argv[1:])))
+    runs = [[]]
+    for arg in argv:
+        if arg == THEN:
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for args in runs[:-1]:  # the process group stays up for the next run; ``run`` ends it after the last
+        loop.Trainer(load_recipe(args[0], parse_overrides(args[1:]))).fit()
+    loop.run(load_recipe(runs[-1][0], parse_overrides(runs[-1][1:])))
 
 
 if __name__ == "__main__":
