@@ -149,9 +149,11 @@ def add_nested_parameters(root, spec: dict, device="cpu", factory=torch.zeros) -
         module.register_parameter(leaf, nn.Parameter(factory(shape, dtype=dtype, device=device)))
 
 
-# The files with the longest torchrun runs, longest first: collected first, so that the parallel workers of
-# scripts/test.sh (pytest-xdist, one file per worker at a time) start with them instead of ending on one alone.
-LONGEST_FILES = ("test_training_resume.py", "test_training_run.py", "test_training_ep_shard.py", "test_export.py",
+# The files with the longest torchrun runs: collected first, so that the parallel workers of scripts/test.sh
+# (pytest-xdist, one file per worker at a time) start with them instead of ending on one alone.  With 2 workers
+# this order pairs them run + export + EP-shard against resume + parallel + flagship: 670 s on the 2-core machine;
+# resume first (its 4-rank launches and the EP-shard file's on one worker) measured 803 s.
+LONGEST_FILES = ("test_training_run.py", "test_training_resume.py", "test_export.py", "test_training_ep_shard.py",
                  "test_training_parallel.py", "test_training_flagship.py")
 
 
