@@ -387,4 +387,6 @@ def test_sharded_export_memory_stays_near_one_block(tmp_path):
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2
     for row in rows:
-        assert row["peak_increase_mib"] < 128, row  # whole-table gathers: >= 256 (the table) on every rank
+        # live: one 8 MiB block plus a few MiB (11-17 MiB measured, also on a loaded machine); gathering one
+        # owner's half of the table would add 128, the former whole-table gathers >= 256 on every rank
+        assert row["peak_increase_mib"] < 48, row
