@@ -1,0 +1,444 @@
+"""A persistent CSA2 sparse-attention forward (head dim 512, Hopper): a candidate for the tree's forward.
+
+    python examples/benchmarks/attention_fwd_ab.py --variants examples/benchmarks/variants/attention_fwd_persistent.py
+
+The tree's forward runs one CTA per (query, 64 heads) and pays its pipeline's ramp at every CTA (~7 us of the
+~27 us a CTA takes at 640 slots: ``sparse_attention_cuda``'s docstring).  Here one CTA per multiprocessor walks
+its items (x, x + CTAs, ..., the last query first) and the producer warpgroup runs ahead across items:
+
+* it loads the next item's index row into the other of two buffers (with its last key per producer warp and
+  where the item's outputs go) while the math warpgroups finish the current item;
+* it loads the next item's Q as soon as both math warpgroups' last Q K^T of the current item has completed
+  (``q_free``), and gathers the next item's first pair as soon as the current item's last pair frees its
+  buffers, so Q, the index row and the first kv rows are in flight during the last pair's P V and the epilogue;
+* O goes from the accumulators to global memory directly, as 16-byte rows after a quad shuffle-transpose (as the
+  backward's slot gradients): Q's buffer, which the tree's kernel stages O in, holds the next item's Q by then.
+
+The per-pair math is the tree's unchanged, so the outputs must be bit-identical to the tree's kernel (the A/B
+script checks it, on edge cases too).  An earlier persistent attempt (``results/attention_h200.txt``) read the
+index row from global memory in the gather loop and stored O with 4-byte stores, and was no faster.
+
+Registers (ptxas, CUDA 13.0): the math loops are at their limit; at 232 math / 48 producer registers ptxas spills
+48 bytes, all outside the pair loop (per item: the epilogue's addresses; the producer's index-row load); at 224 /
+64, 116 bytes.  Shared memory: 214,708 bytes before the two index rows (2 x 4 x slots; 640 slots: 220,852 with the
+1 KB alignment slack), so at most 2,048 slots.
+"""
+
+SOURCE = r"""
+namespace csa2 {
+
+// Four 32-bit words per lane of a quad, A[lane][k] -> A[k][lane] (two butterfly stages of two shuffles each): the
+// quad's words of four 8-column groups become one group's 16 contiguous bytes per lane
+__device__ __forceinline__ void quad_transpose(uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3, int lane) {
+  const bool hi2 = lane & 2, hi1 = lane & 1;
+  uint32_t r0 = __shfl_xor_sync(0xffffffff, hi2 ? a0 : a2, 2), r1 = __shfl_xor_sync(0xffffffff, hi2 ? a1 : a3, 2);
+  if (hi2) { a0 = r0; a1 = r1; } else { a2 = r0; a3 = r1; }
+  r0 = __shfl_xor_sync(0xffffffff, hi1 ? a0 : a1, 1);
+  r1 = __shfl_xor_sync(0xffffffff, hi1 ? a2 : a3, 1);
+  if (hi1) { a0 = r0; a2 = r1; } else { a1 = r0; a3 = r1; }
+}
+
+struct alignas(1024) Smem {
+  bf16 q[BH * D];      // Q of the current item as two 64 x 256 halves
+  bf16 k[2][BK * D];   // gathered kv rows of the pair's two blocks, each as two halves
+  bf16 p[2][BH * BK];  // P of warpgroup w, for the other warpgroup's P.V
+  float max_a[BH];     // row max after warpgroup 0's block, for warpgroup 1
+  float max_b[BH];     // row max after both blocks, for warpgroup 0
+  float row_sum[2][2][BH];  // [item % 2][warpgroup]: partial row sums (an item without keys skips every barrier
+                           // but BAR_SUM, so a warpgroup may write the next item's sums while the peer reads)
+  uint64_t ready[2][2];  // [block of the pair][half]: the gather landed
+  uint64_t empty[2][2];  // [block][half]: every reader is done, the producer may refill
+  uint64_t q_ready;      // the item's Q landed
+  uint64_t q_free;       // both math warpgroups' last Q K^T of the item completed: the next Q may land
+  uint64_t idx_ready[2]; // [item % 2]: the item's index row and last keys are in shared memory
+  uint64_t idx_free[2];  // [item % 2]: the math warpgroups are done with that index row
+  int n_valid[2][4];     // [item % 2][producer warp]: 1 + the last slot that holds a key among the warp's slots
+  int64_t row[2];        // [item % 2]: the item's first row of o / lse2, (b * seq + s_i) * heads + h0
+  int h0[2];             // [item % 2]: its first head
+  int n_items;           // this CTA's items
+  uint32_t it_phase[2];  // [math warpgroup]: its item (bits 1..) and the ready / empty phase of the item's first pair
+                         // (bit 0: pairs so far, mod 2); kept here, not in registers: the pair loops are at the limit
+  int idx[1];            // [2][slots]: the index rows of two consecutive items (dynamic tail)
+};
+
+// named barriers between the two math warpgroups (0 is __syncthreads)
+enum : int { BAR_PRODUCER = 1, BAR_MAX_A = 2, BAR_MAX_B = 3, BAR_P0 = 4, BAR_P1 = 5, BAR_SUM = 6 };
+
+}  // namespace csa2
+
+using namespace csa2;
+
+// q [b, s, H, 512] bf16, kv [b, n, 512] bf16, idx [b, s, slots] int32 (-1: empty), sink2 [H] fp32 (sink * log2 e)
+// -> o [b, s, H, 512] bf16, lse2 [b, s, H] fp32 (base-2 log-sum-exp of the scaled logits and the sink).
+// Persistent: grid (CTAs, 1), 384 threads; CTA x takes items x, x + CTAs, ... (item: one query's 64 heads), the last
+// query first.  Warpgroups 0 and 1 compute, warpgroup 2 gathers and loads each item's index row and Q ahead of the
+// math.  slots % 128 == 0.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    csa2_sparse_attn_fwd_d512(const bf16* __restrict__ q, const bf16* __restrict__ kv, const int* __restrict__ idx,
+                              const float* __restrict__ sink2, bf16* __restrict__ o, float* __restrict__ lse2, int seq,
+                              int n_kv, int heads, int slots, float c, int batch) {
+  // the 128-byte swizzle is on address bits, so the buffers need 1024-byte alignment: the launch asks for 1 KB extra
+  extern __shared__ __align__(1024) char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int n_hblk = heads / BH, per_query = n_hblk * batch;
+  const int n_items = (seq * per_query - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this CTA's
+  // item `it` of this CTA: the last query first (queries near the start have fewer keys and trailing empty pairs are
+  // skipped, so the short items come last), then batch, then head block
+  auto item = [&](int it, int& b, int& s_i, int& h0) __attribute__((always_inline)) {
+    const int j = (int)blockIdx.x + it * (int)gridDim.x, r = j % per_query;
+    s_i = seq - 1 - j / per_query;
+    b = r / n_hblk;
+    h0 = (r % n_hblk) * BH;
+  };
+  // the warpgroup index through a shuffle, so the compiler knows it is uniform across each warp
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffff, tid / 128, 0), t = tid % 128;
+
+  if (tid == 0) {
+    for (int i = 0; i < 2; ++i) {
+      for (int h = 0; h < 2; ++h) {
+        mbar_init(&sm.ready[i][h], 128);
+        mbar_init(&sm.empty[i][h], 128);
+      }
+      mbar_init(&sm.idx_ready[i], 128);
+      mbar_init(&sm.idx_free[i], 256);
+    }
+    mbar_init(&sm.q_ready, 128);
+    mbar_init(&sm.q_free, 256);
+    sm.n_items = n_items;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // the item's pairs up to its last key: a pair of empty slots adds nothing (P = 0, the running max unchanged), so
+  // the trailing ones (queries with fewer visible keys than top-k) are skipped.  Through a shuffle, so the compiler
+  // knows it is warp-uniform
+  auto pairs_of = [&](int it) __attribute__((always_inline)) {
+    const int* nv = sm.n_valid[it & 1];
+    const int last = max(max(nv[0], nv[1]), max(nv[2], nv[3]));
+    return __shfl_sync(0xffffffff, (last + 2 * BK - 1) / (2 * BK), 0);
+  };
+
+  if (wg == 2) {
+    // producer: thread t copies 16-byte chunk j of a 128-byte tile row, for rows g, g + 16, g + 32, g + 48
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
+    const int j = t % 8, g = t / 8;
+    // item it's index row -> buffer it % 2, with each producer warp's last key; the buffer's previous item (it - 2)
+    // must be done with it
+    auto load_idx = [&](int it) __attribute__((always_inline)) {
+      int b, s_i, h0;
+      item(it, b, s_i, h0);
+      mbar_wait(&sm.idx_free[it & 1], ((it >> 1) & 1) ^ 1);  // a fresh barrier passes the wait on parity 1
+      const int* row = idx + ((int64_t)b * seq + s_i) * slots;
+      int* dst = sm.idx + (it & 1) * slots;
+      int last = 0;
+      for (int i = t; i < slots; i += 128) {
+        const int v = row[i];
+        dst[i] = v;
+        if (v >= 0) last = i + 1;
+      }
+      last = __reduce_max_sync(0xffffffff, last);
+      if (t % 32 == 0) sm.n_valid[it & 1][t / 32] = last;
+      if (t == 0) {  // where the math warpgroups write the item's outputs (divisions kept out of their loops)
+        sm.row[it & 1] = ((int64_t)b * seq + s_i) * heads + h0;
+        sm.h0[it & 1] = h0;
+      }
+      bar_sync(BAR_PRODUCER, 128);  // this warpgroup's gathers read the whole row
+      mbar_arrive(&sm.idx_ready[it & 1]);
+    };
+    uint32_t gp = 0;  // pairs gathered so far, over all items: the ready / empty phase
+    if (n_items > 0) load_idx(0);
+    for (int it = 0; it < n_items; ++it) {
+      int b, s_i, h0;
+      item(it, b, s_i, h0);
+      const int* idx_it = sm.idx + (it & 1) * slots;
+      const bf16* kv_b = kv + (int64_t)b * n_kv * D + j * 8;
+      auto fill = [&](int blk, int buf, int half) __attribute__((always_inline)) {
+        bf16* dst = sm.k[buf] + half * (BK * HALF);
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          const int r = g + 16 * i, row = idx_it[blk * BK + r];
+          const bf16* src = kv_b + (int64_t)max(row, 0) * D + half * HALF;
+          CUTE_UNROLL
+          for (int tile = 0; tile < 4; ++tile) cp_async16(dst + swz(r, tile * 64 + j * 8), src + tile * 64, row >= 0);
+        }
+        cp_async_arrive(&sm.ready[buf][half]);
+      };
+      // Q of the item, swizzled, once the previous item's last Q K^T has completed
+      mbar_wait(&sm.q_free, (it & 1) ^ 1);
+      const bf16* q_blk = q + (((int64_t)b * seq + s_i) * heads + h0) * D;
+      for (int u = t; u < BH * D / 8; u += 128) {
+        const int r = u / (D / 8), col = (u % (D / 8)) * 8;
+        cp_async16(sm.q + (col / HALF) * (BH * HALF) + swz(r, col % HALF), q_blk + r * D + col, true);
+      }
+      cp_async_arrive(&sm.q_ready);
+      const int n_pairs = pairs_of(it);
+      for (int p = 0; p < n_pairs; ++p, ++gp) {
+        const uint32_t par = (gp & 1) ^ 1;
+        mbar_wait(&sm.empty[0][0], par);
+        fill(2 * p, 0, 0);
+        mbar_wait(&sm.empty[1][1], par);
+        fill(2 * p + 1, 1, 1);
+        mbar_wait(&sm.empty[0][1], par);
+        fill(2 * p, 0, 1);
+        mbar_wait(&sm.empty[1][0], par);
+        fill(2 * p + 1, 1, 0);
+      }
+      if (it + 1 < n_items) load_idx(it + 1);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  MmaQK mma_qk;
+  MmaPVreg mma_pv_reg;
+  MmaPVsmem mma_pv_smem;
+  auto thr_qk = mma_qk.get_slice(t);
+  auto thr_pv_reg = mma_pv_reg.get_slice(t);
+  auto thr_pv_smem = mma_pv_smem.get_slice(t);
+
+  Tensor acc_s = partition_fragment_C(mma_qk, Shape<_64, _64>{});       // 32 fp32: S, then P in fp32
+  Tensor acc_o = partition_fragment_C(mma_pv_reg, Shape<_64, _256>{});  // 128 fp32: this warpgroup's O columns
+  // P in bf16 as the A operand of P.V: the accumulator's element order is the operand's, so element i = P(i)
+  Tensor reg_p = make_tensor<bf16>(partition_shape_A(mma_pv_reg, Shape<_64, _64>{}));
+  Tensor coord = thr_qk.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (head row, slot column) of i
+
+  const int row0 = get<0>(coord(0)), row1 = row0 + 8;  // element i is on row0 + 8 * ((i / 2) % 2)
+  float run_max[2], run_sum[2];  // running max of the scaled logits (finite: no inf - inf); partial row sums
+  volatile uint32_t& it_phase = sm.it_phase[wg];  // every thread of the warpgroup writes the same values
+  it_phase = 0;
+
+  // acc_s (+)= Q_half K_half^T for this warpgroup's block of pair p, once the producer has landed that half
+  auto qk_half = [&](int p, int half, bool zero) __attribute__((always_inline)) {
+    mbar_wait(&sm.ready[wg][half], (it_phase + p) & 1);
+    Tensor tQ = thr_qk.partition_fragment_A(smem_tensor(sm.q + half * (BH * HALF), LayoutHalf{}));
+    Tensor tK = thr_qk.partition_fragment_B(smem_tensor(sm.k[wg] + half * (BK * HALF), LayoutHalf{}));
+    // no operand fence on acc_s here: inside an open wgmma stage a fence counts as a write, and the compiler
+    // then serialises every wgmma; the first k-step of a block zeroes acc_s
+    wgmma(mma_qk, tQ, tK, acc_s, zero);
+    warpgroup_commit_batch();
+  };
+  // V^T operands: this warpgroup's O columns of its own block and of the peer's block; the peer's P
+  auto own_v = [&]() __attribute__((always_inline)) {
+    return thr_pv_reg.partition_fragment_B(smem_tensor(sm.k[wg] + wg * BK * HALF, LayoutHalfT{}));
+  };
+  auto peer_v = [&]() __attribute__((always_inline)) {
+    return thr_pv_smem.partition_fragment_B(smem_tensor(sm.k[wg ^ 1] + wg * BK * HALF, LayoutHalfT{}));
+  };
+  auto peer_p = [&]() __attribute__((always_inline)) {
+    return thr_pv_smem.partition_fragment_A(smem_tensor(sm.p[wg ^ 1], LayoutP{}));
+  };
+  // empty slots to -inf; returns the scaled row maxima of the block (quad-reduced)
+  auto mask_and_max = [&](int blk, float out[2]) __attribute__((always_inline)) {
+    const int* slot_idx = sm.idx + ((it_phase >> 1) & 1) * slots + blk * BK;
+    // bit j: slot j of the block holds a key (two ballots per warp instead of a shared read per element)
+    const uint64_t valid = (uint64_t)__ballot_sync(0xffffffff, slot_idx[t % 32] >= 0) |
+                           ((uint64_t)__ballot_sync(0xffffffff, slot_idx[32 + t % 32] >= 0) << 32);
+    if (valid != ~uint64_t(0)) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i)
+        if (!((valid >> get<1>(coord(i))) & 1)) acc_s(i) = -INFINITY;
+    }
+    out[0] = out[1] = -INFINITY;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) out[(i >> 1) & 1] = fmaxf(out[(i >> 1) & 1], acc_s(i));
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      out[h] = fmaxf(out[h], __shfl_xor_sync(0xffffffff, out[h], 1));
+      out[h] = fmaxf(out[h], __shfl_xor_sync(0xffffffff, out[h], 2));
+      out[h] *= c;
+    }
+  };
+  // acc_o *= per-row factor
+  auto rescale_o = [&](const float f[2]) __attribute__((always_inline)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= f[(i >> 1) & 1];
+  };
+  // P = exp2(S c - new_max) in fp32 (acc_s) and bf16 (reg_p); O and the sums rescaled to new_max
+  auto softmax = [&](const float new_max[2]) __attribute__((always_inline)) {
+    float scale[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      scale[h] = exp2f(run_max[h] - new_max[h]);
+      run_sum[h] *= scale[h];
+      run_max[h] = new_max[h];
+    }
+    rescale_o(scale);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) {
+      const int h = (i >> 1) & 1;
+      acc_s(i) = exp2f(fmaf(acc_s(i), c, -new_max[h]));
+      run_sum[h] += acc_s(i);
+      reg_p(i) = bf16(acc_s(i));
+    }
+  };
+  // reg_p -> shared (K-major 64 x 64, swizzled), four 8 x 8 matrices per stmatrix (a quarter of the instructions
+  // of 32-bit stores: 5 % of the forward at the V4.1 shape, results/attention_h200.txt)
+  auto store_p = [&](bf16* dst) __attribute__((always_inline)) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(&reg_p(0));  // elements i, i + 1 = pair i / 2
+    CUTE_UNROLL
+    for (int cb = 0; cb < BK / 8; cb += 2)
+      stsm_x4(dst, t, cb, pairs[2 * cb], pairs[2 * cb + 1], pairs[2 * cb + 2], pairs[2 * cb + 3]);
+    fence_async_smem();
+  };
+  // the block's softmax against the running max `prev` (this warpgroup's, or warpgroup 0's from shared
+  // memory), its max published for the peer, and O += P V of this warpgroup's own block (P from registers)
+  auto softmax_publish_own_pv = [&](const float prev[2], const float blk_max[2], float* publish, int bar)
+      __attribute__((always_inline)) {
+    float new_max[2] = {fmaxf(prev[0], blk_max[0]), fmaxf(prev[1], blk_max[1])};
+    softmax(new_max);
+    if (t % 4 == 0) {
+      publish[row0] = new_max[0];
+      publish[row1] = new_max[1];
+    }
+    bar_arrive(bar, 256);
+    warpgroup_fence_operand(reg_p);
+    warpgroup_fence_operand(acc_o);
+    wgmma(mma_pv_reg, reg_p, own_v(), acc_o, false);
+    warpgroup_commit_batch();
+  };
+
+  // one loop per warpgroup: a loop that switched roles inside would let the compiler see a path with an
+  // accumulator written while the other role's wgmma is in flight, and it then serialises every wgmma
+  float blk_max[2];
+  // an item's start: its index row and Q have landed; returns its pair count
+  auto start_item = [&](int it) __attribute__((always_inline)) {
+    mbar_wait(&sm.idx_ready[it & 1], (it >> 1) & 1);
+    clear(acc_o);
+    run_max[0] = run_max[1] = -1.0e30f;
+    run_sum[0] = run_sum[1] = 0.f;
+    mbar_wait(&sm.q_ready, it & 1);
+    return pairs_of(it);
+  };
+  // an item's end: the phase moves on by its pairs, its index row is released, O and lse2 are written
+  auto finish_item = [&](int it, int n_pairs) __attribute__((always_inline)) {
+  it_phase ^= n_pairs & 1;
+  // (warpgroup 0's last S was waited for inside the loop; the final wait<0> drained its P.V)
+
+  // row sums: over the quad, then over the two warpgroups; the sink joins the denominator only
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 1);
+    run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 2);
+  }
+  if (t % 4 == 0) {
+    sm.row_sum[it & 1][wg][row0] = run_sum[0];
+    sm.row_sum[it & 1][wg][row1] = run_sum[1];
+  }
+  bar_sync(BAR_SUM, 256);
+  const int64_t out_row = sm.row[it & 1];
+  const int h0 = sm.h0[it & 1];
+  mbar_arrive(&sm.idx_free[it & 1]);  // the item's index row, row and h0 are read
+  float out_scale[2];
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const int r = h ? row1 : row0;
+    const float l = sm.row_sum[it & 1][0][r] + sm.row_sum[it & 1][1][r], s2 = sink2[h0 + r];
+    const float top = fmaxf(run_max[h], s2), a = exp2f(run_max[h] - top);
+    const float total = l * a + exp2f(s2 - top);
+    out_scale[h] = a / total;
+    if (wg == 1 && t % 4 == 0) lse2[out_row + r] = top + log2f(total);
+  }
+  // O -> bf16 -> global from the accumulators: each quad's words of four 8-column groups transposed so that a lane
+  // stores one group's 16 bytes (no staging in shared memory: Q's buffer already holds the next item's Q)
+  bf16* o_row = o + (out_row + row0) * D + wg * HALF + 8 * (t % 4);
+  CUTE_UNROLL
+  for (int m = 0; m < 8; ++m)  // groups 4m .. 4m + 3 of the warpgroup's 32
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {  // row0, row0 + 8
+      uint32_t w[4];
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        const int i = 16 * m + 4 * k + 2 * h;
+        __nv_bfloat162 v = __floats2bfloat162_rn(acc_o(i) * out_scale[h], acc_o(i + 1) * out_scale[h]);
+        w[k] = reinterpret_cast<uint32_t&>(v);
+      }
+      quad_transpose(w[0], w[1], w[2], w[3], t % 4);
+      *reinterpret_cast<uint4*>(o_row + h * 8 * D + 32 * m) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  };
+  if (wg == 0) {
+   for (; (int)(it_phase >> 1) < sm.n_items; it_phase += 2) {
+    const int it = it_phase >> 1;
+    const int n_pairs = start_item(it);
+    if (n_pairs > 0) {
+      qk_half(0, 0, true);
+      qk_half(0, 1, false);
+      warpgroup_wait<0>();
+    }
+    if (n_pairs <= 1) mbar_arrive(&sm.q_free);  // the item's last Q K^T has completed
+    for (int p = 0; p < n_pairs; ++p) {
+      warpgroup_fence_operand(acc_s);  // S of block 2p
+      mask_and_max(2 * p, blk_max);
+      softmax_publish_own_pv(run_max, blk_max, sm.max_a, BAR_MAX_A);  // O_left += P0 V0_left
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      mbar_arrive(&sm.empty[0][0]);
+      bar_sync(BAR_MAX_B, 256);  // warpgroup 1 has the pair's max
+      float fix[2];
+      fix[0] = exp2f(run_max[0] - sm.max_b[row0]);
+      fix[1] = exp2f(run_max[1] - sm.max_b[row1]);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) reg_p(i) = bf16(acc_s(i) * fix[(i >> 1) & 1]);
+      store_p(sm.p[0]);
+      bar_arrive(BAR_P0, 256);
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        run_sum[h] *= fix[h];
+        run_max[h] = sm.max_b[h ? row1 : row0];
+      }
+      rescale_o(fix);
+      bar_sync(BAR_P1, 256);
+      warpgroup_fence_operand(acc_o);
+      wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_left += P1 V1_left
+      warpgroup_commit_batch();
+      if (p + 1 < n_pairs) {  // the next pair's S, its left half while P1 V1_left runs
+        qk_half(p + 1, 0, true);
+        warpgroup_wait<1>();
+        mbar_arrive(&sm.empty[1][0]);
+        qk_half(p + 1, 1, false);
+      } else {
+        warpgroup_wait<0>();
+        mbar_arrive(&sm.empty[1][0]);
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      if (p + 2 == n_pairs) mbar_arrive(&sm.q_free);  // pair p + 1's S, the item's last Q K^T, has completed
+    }
+    warpgroup_fence_operand(acc_o);
+    finish_item(it, n_pairs);
+   }
+  } else {
+   for (; (int)(it_phase >> 1) < sm.n_items; it_phase += 2) {
+    const int it = it_phase >> 1;
+    const int n_pairs = start_item(it);
+    if (n_pairs == 0) mbar_arrive(&sm.q_free);
+    for (int p = 0; p < n_pairs; ++p) {
+      qk_half(p, 1, true);  // the producer lands warpgroup 1's right half first
+      qk_half(p, 0, false);
+      warpgroup_wait<0>();
+      if (p + 1 == n_pairs) mbar_arrive(&sm.q_free);
+      warpgroup_fence_operand(acc_s);
+      mask_and_max(2 * p + 1, blk_max);
+      bar_sync(BAR_MAX_A, 256);
+      const float max_a[2] = {sm.max_a[row0], sm.max_a[row1]};
+      softmax_publish_own_pv(max_a, blk_max, sm.max_b, BAR_MAX_B);  // O_right += P1 V1_right
+      store_p(sm.p[1]);
+      bar_arrive(BAR_P1, 256);
+      bar_sync(BAR_P0, 256);
+      wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_right += P0 V0_right
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      mbar_arrive(&sm.empty[1][1]);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      mbar_arrive(&sm.empty[0][1]);
+    }
+    finish_item(it, n_pairs);
+   }
+  }
+}
+"""
+
+VARIANTS = {
+    "persistent 232/48": (HELPERS + SOURCE, True),
+    "persistent 224/64": (HELPERS + SOURCE.replace("u32 232;", "u32 224;").replace("u32 48;", "u32 64;"), True),
+}
