@@ -1,43 +1,46 @@
-"""A persistent CSA2 sparse-attention forward (head dim 512, Hopper): a candidate for the tree's forward.
+"""Candidates against the per-CTA ramp of the CSA2 sparse-attention forward (head dim 512, Hopper).
 
-    python examples/benchmarks/attention_fwd_ab.py --variants examples/benchmarks/variants/attention_fwd_persistent.py
+    python examples/benchmarks/attention_fwd_ab.py --variants examples/benchmarks/variants/attention_fwd_ramp.py
 
-The tree's forward runs one CTA per (query, 64 heads) and pays its pipeline's ramp at every CTA (~7 us of the
-~27 us a CTA takes at 640 slots: ``sparse_attention_cuda``'s docstring).  Here one CTA per multiprocessor walks
-its items (x, x + CTAs, ..., the last query first) and the producer warpgroup runs ahead across items:
+"early Q": the tree's kernel with Q's copies issued before the index row is read, so the two latencies overlap
+(ptxas: a 16-byte spill, in the prologue and epilogue only).
+
+"persistent": the tree's forward runs one CTA per (query, 64 heads) and pays its pipeline's ramp at every CTA (~7 us of the
+~27 us a CTA takes at 640 slots: ``sparse_attention_cuda``'s docstring).  Here one CTA per multiprocessor
+walks its items (x, x + CTAs, ..., the last query first) and the producer warpgroup runs ahead across items:
 
 * it loads the next item's index row into the other of two buffers (with its last key per producer warp and
   where the item's outputs go) while the math warpgroups finish the current item;
 * it loads the next item's Q as soon as both math warpgroups' last Q K^T of the current item has completed
   (``q_free``), and gathers the next item's first pair as soon as the current item's last pair frees its
-  buffers, so Q, the index row and the first kv rows are in flight during the last pair's P V and the epilogue;
-* O goes from the accumulators to global memory directly, as 16-byte rows after a quad shuffle-transpose (as the
-  backward's slot gradients): Q's buffer, which the tree's kernel stages O in, holds the next item's Q by then.
+  buffers, so Q, the index row and the first kv rows are in flight during the last pair's P V and the
+  epilogue;
+* O goes from the accumulators to global memory directly, as 16-byte rows after a quad shuffle-transpose (as
+  the backward's slot gradients): Q's buffer, which the tree's kernel stages O in, holds the next item's Q
+  by then.
 
 The per-pair math is the tree's unchanged, so the outputs must be bit-identical to the tree's kernel (the A/B
 script checks it, on edge cases too).  An earlier persistent attempt (``results/attention_h200.txt``) read the
 index row from global memory in the gather loop and stored O with 4-byte stores, and was no faster.
 
-Registers (ptxas, CUDA 13.0): the math loops are at their limit; at 232 math / 48 producer registers ptxas spills
-48 bytes, all outside the pair loop (per item: the epilogue's addresses; the producer's index-row load); at 224 /
-64, 116 bytes.  Shared memory: 214,708 bytes before the two index rows (2 x 4 x slots; 640 slots: 220,852 with the
-1 KB alignment slack), so at most 2,048 slots.
+Registers (ptxas, CUDA 13.0): the math loops are at their limit; at 232 math / 48 producer registers ptxas
+spills 48 bytes, all outside the pair loop (per item: the epilogue's addresses; the producer's index-row
+load); at 224 / 64, 116 bytes.  Shared memory: 214,708 bytes before the two index rows (2 x 4 x slots; 640
+slots: 220,852 with the 1 KB alignment slack), so at most 2,048 slots.
 """
+
+from deepseek_v41 import sparse_attention_cuda_bwd  # the backward's quad_transpose, reused
+from deepseek_v41.sparse_attention_cuda import _SOURCE as BASE
+from deepseek_v41.sparse_attention_cuda import HELPERS
+
+_bwd = sparse_attention_cuda_bwd._SOURCE
+_start = _bwd.index("// Four 32-bit words per lane of a quad")
+QUAD_TRANSPOSE = _bwd[_start : _bwd.index("\n}\n", _start) + 3]
 
 SOURCE = r"""
 namespace csa2 {
 
-// Four 32-bit words per lane of a quad, A[lane][k] -> A[k][lane] (two butterfly stages of two shuffles each): the
-// quad's words of four 8-column groups become one group's 16 contiguous bytes per lane
-__device__ __forceinline__ void quad_transpose(uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3, int lane) {
-  const bool hi2 = lane & 2, hi1 = lane & 1;
-  uint32_t r0 = __shfl_xor_sync(0xffffffff, hi2 ? a0 : a2, 2), r1 = __shfl_xor_sync(0xffffffff, hi2 ? a1 : a3, 2);
-  if (hi2) { a0 = r0; a1 = r1; } else { a2 = r0; a3 = r1; }
-  r0 = __shfl_xor_sync(0xffffffff, hi1 ? a0 : a1, 1);
-  r1 = __shfl_xor_sync(0xffffffff, hi1 ? a2 : a3, 1);
-  if (hi1) { a0 = r0; a2 = r1; } else { a1 = r0; a3 = r1; }
-}
-
+QUAD_TRANSPOSE
 struct alignas(1024) Smem {
   bf16 q[BH * D];      // Q of the current item as two 64 x 256 halves
   bf16 k[2][BK * D];   // gathered kv rows of the pair's two blocks, each as two halves
@@ -436,9 +439,21 @@ extern "C" __global__ void __launch_bounds__(384, 1)
    }
   }
 }
+""".replace("QUAD_TRANSPOSE", QUAD_TRANSPOSE)
+
+# the tree's kernel with Q's copies issued first (by the math warpgroups, waited for where they waited before)
+_Q_COPY = """    const bf16* q_blk = q + (((int64_t)b * seq + s_i) * heads + h0) * D;
+    for (int u = tid; u < BH * D / 8; u += 256) {
+      const int r = u / (D / 8), col = (u % (D / 8)) * 8;
+      cp_async16(sm.q + (col / HALF) * (BH * HALF) + swz(r, col % HALF), q_blk + r * D + col, true);
+    }
 """
+_INIT = "  if (tid == 0) {\n    for (int i = 0; i < 2; ++i)"
+assert BASE.count(_Q_COPY) == 1 and BASE.count(_INIT) == 1, "the tree's forward changed: update this variant"
+EARLY_Q = BASE.replace(_Q_COPY, "").replace(_INIT, "  if (tid < 256) {\n" + _Q_COPY + "  }\n" + _INIT)
 
 VARIANTS = {
+    "early Q": (HELPERS + EARLY_Q, False),
     "persistent 232/48": (HELPERS + SOURCE, True),
     "persistent 224/64": (HELPERS + SOURCE.replace("u32 232;", "u32 224;").replace("u32 48;", "u32 64;"), True),
 }
