@@ -24,9 +24,10 @@ script checks it, on edge cases too).  An earlier persistent attempt (``results/
 index row from global memory in the gather loop and stored O with 4-byte stores, and was no faster.
 
 Registers (ptxas, CUDA 13.0): the math loops are at their limit; at 232 math / 48 producer registers ptxas
-spills 48 bytes, all outside the pair loop (per item: the epilogue's addresses; the producer's index-row
-load); at 224 / 64, 116 bytes.  Shared memory: 214,708 bytes before the two index rows (2 x 4 x slots; 640
-slots: 220,852 with the 1 KB alignment slack), so at most 2,048 slots.
+spills 56 bytes: per item (the epilogue's addresses, the producer's index-row load) and in the masking of
+blocks with empty slots (a query's last block), none in the pair loop's wgmma path; at 224 / 64, 136 bytes.
+Shared memory: 214,700 bytes before the two index rows (2 x 4 x slots; 640 slots: 220,844 with the 1 KB
+alignment slack), so at most 2,048 slots.
 """
 
 from deepseek_v41 import sparse_attention_cuda_bwd  # the backward's quad_transpose, reused
@@ -59,10 +60,10 @@ struct alignas(1024) Smem {
   int64_t row[2];        // [item % 2]: the item's first row of o / lse2, (b * seq + s_i) * heads + h0
   int h0[2];             // [item % 2]: its first head
   int n_items;           // this CTA's items
-  uint32_t it_phase[2];  // [math warpgroup]: its item (bits 1..) and the ready / empty phase of the item's first pair
-                         // (bit 0: pairs so far, mod 2); kept here, not in registers: the pair loops are at the limit
   int idx[1];            // [2][slots]: the index rows of two consecutive items (dynamic tail)
 };
+
+static_assert(offsetof(Smem, idx) == 214700, "the docstring's shared-memory figures");
 
 // named barriers between the two math warpgroups (0 is __syncthreads)
 enum : int { BAR_PRODUCER = 1, BAR_MAX_A = 2, BAR_MAX_B = 3, BAR_P0 = 4, BAR_P1 = 5, BAR_SUM = 6 };
@@ -206,8 +207,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
   const int row0 = get<0>(coord(0)), row1 = row0 + 8;  // element i is on row0 + 8 * ((i / 2) % 2)
   float run_max[2], run_sum[2];  // running max of the scaled logits (finite: no inf - inf); partial row sums
-  volatile uint32_t& it_phase = sm.it_phase[wg];  // every thread of the warpgroup writes the same values
-  it_phase = 0;
+  // the current item (bits 1..) and the ready / empty phase of its first pair (bit 0: pairs so far, mod 2)
+  uint32_t it_phase = 0;
 
   // acc_s (+)= Q_half K_half^T for this warpgroup's block of pair p, once the producer has landed that half
   auto qk_half = [&](int p, int half, bool zero) __attribute__((always_inline)) {
