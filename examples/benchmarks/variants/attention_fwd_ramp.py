@@ -20,8 +20,14 @@ walks its items (x, x + CTAs, ..., the last query first) and the producer warpgr
   by then.
 
 The per-pair math is the tree's unchanged, so the outputs must be bit-identical to the tree's kernel (the A/B
-script checks it, on edge cases too).  An earlier persistent attempt (``results/attention_h200.txt``) read the
-index row from global memory in the gather loop and stored O with 4-byte stores, and was no faster.
+script checks it, on edge cases too). Before any GPU run, the synchronisation went through a randomised
+interleaving model, attention_fwd_ramp_protocol.py: 3,000 schedules of 1-7 items of 0-5 pairs each, no
+deadlock, every modelled read saw the item and pair it expects; the model fails each of five mutations (an
+idx_free parity, Q loaded without q_free, one row-sum buffer, a doubled q_free arrival, the ready phase not
+carried over items). Issuing the next item's first S before the current item's O stores (to overlap them) made
+ptxas serialise every wgmma (C7515 or C7518) in each arrangement tried, so it is not here. An earlier
+persistent attempt (``results/attention_h200.txt``) read the index row from global memory in the gather loop
+and stored O with 4-byte stores, and was no faster.
 
 Registers (ptxas, CUDA 13.0): the math loops are at their limit; at 232 math / 48 producer registers ptxas
 spills 56 bytes: per item (the epilogue's addresses, the producer's index-row load) and in the masking of
