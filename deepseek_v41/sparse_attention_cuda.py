@@ -151,6 +151,35 @@ __device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& c,
   }
 }
 
+// The query's index row -> shared memory (all 384 threads), and 1 + its last slot holding a key (0: none) ->
+// *n_valid, a shared int that thread 0 zeroed before the kernel's first __syncthreads.
+__device__ __forceinline__ void load_index_row(const int* idx_row, int* dst, int slots, int* n_valid, int tid) {
+  int last = 0;
+  for (int i = tid; i < slots; i += 384) {
+    const int row = idx_row[i];
+    dst[i] = row;
+    if (row >= 0) last = i + 1;
+  }
+  __syncthreads();
+  if (last > 0) atomicMax(n_valid, last);
+  __syncthreads();
+}
+
+// One half (256 latent columns) of the kv rows of index block blk -> a K-major 128-byte-swizzled 64 x 256 buffer,
+// by cp.async: producer thread (g = t / 8, j = t % 8) copies 16-byte chunk j of each 128-byte tile row of rows g,
+// g + 16, g + 32, g + 48; an empty slot (-1) fills zeros.  kv_b: the batch's kv plus 8 j columns; idx: the index
+// row in shared memory (indexed here, not offset by the caller: ptxas then emits the same code as inline)
+__device__ __forceinline__ void gather_half(bf16* dst, const bf16* kv_b, const int* idx, int blk, int g, int j,
+                                            int half) {
+  CUTE_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + 16 * i, row = idx[blk * BK + r];
+    const bf16* src = kv_b + (int64_t)max(row, 0) * D + half * HALF;
+    CUTE_UNROLL
+    for (int tile = 0; tile < 4; ++tile) cp_async16(dst + swz(r, tile * 64 + j * 8), src + tile * 64, row >= 0);
+  }
+}
+
 }  // namespace csa2
 """
 
@@ -204,15 +233,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     sm.n_valid = 0;
   }
-  int n_valid = 0;
-  for (int i = tid; i < slots; i += 384) {
-    const int row = idx_row[i];
-    sm.idx[i] = row;
-    if (row >= 0) n_valid = i + 1;
-  }
-  __syncthreads();
-  if (n_valid > 0) atomicMax(&sm.n_valid, n_valid);
-  __syncthreads();
+  load_index_row(idx_row, sm.idx, slots, &sm.n_valid, tid);
   // pairs up to the last key: a pair of empty slots adds nothing (P = 0, the running max unchanged), so the
   // trailing ones (queries with fewer visible keys than top-k) are skipped.  Through a shuffle, so the compiler
   // knows it is warp-uniform (read straight from shared memory, the loops spill registers)
@@ -224,14 +245,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int j = t % 8, g = t / 8;
     const bf16* kv_b = kv + (int64_t)b * n_kv * D + j * 8;
     auto fill = [&](int blk, int buf, int half) __attribute__((always_inline)) {
-      bf16* dst = sm.k[buf] + half * (BK * HALF);
-      CUTE_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const int r = g + 16 * i, row = sm.idx[blk * BK + r];
-        const bf16* src = kv_b + (int64_t)max(row, 0) * D + half * HALF;
-        CUTE_UNROLL
-        for (int tile = 0; tile < 4; ++tile) cp_async16(dst + swz(r, tile * 64 + j * 8), src + tile * 64, row >= 0);
-      }
+      gather_half(sm.k[buf] + half * (BK * HALF), kv_b, sm.idx, blk, g, j, half);
       cp_async_arrive(&sm.ready[buf][half]);
     };
     for (int p = 0; p < n_pairs; ++p) {

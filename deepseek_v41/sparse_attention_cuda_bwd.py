@@ -121,15 +121,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     sm.n_valid = 0;
   }
-  int n_valid = 0;
-  for (int i = tid; i < slots; i += 384) {
-    const int row = idx_row[i];
-    sm.idx[i] = row;
-    if (row >= 0) n_valid = i + 1;
-  }
-  __syncthreads();
-  if (n_valid > 0) atomicMax(&sm.n_valid, n_valid);
-  __syncthreads();
+  load_index_row(idx_row, sm.idx, slots, &sm.n_valid, tid);
   // blocks up to the last key, warp-uniform through a shuffle
   const int n_blocks = __shfl_sync(0xffffffff, (sm.n_valid + BK - 1) / BK, 0);
 
@@ -142,14 +134,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       CUTE_UNROLL
       for (int half = 0; half < 2; ++half) {
         mbar_wait(&sm.empty[half], (blk & 1) ^ 1);  // a fresh barrier passes the wait on parity 1
-        bf16* dst = sm.k + half * (BK * HALF);
-        CUTE_UNROLL
-        for (int i = 0; i < 4; ++i) {
-          const int r = g + 16 * i, row = sm.idx[blk * BK + r];
-          const bf16* src = kv_b + (int64_t)max(row, 0) * D + half * HALF;
-          CUTE_UNROLL
-          for (int tile = 0; tile < 4; ++tile) cp_async16(dst + swz(r, tile * 64 + j * 8), src + tile * 64, row >= 0);
-        }
+        gather_half(sm.k + half * (BK * HALF), kv_b, sm.idx, blk, g, j, half);
         cp_async_arrive(&sm.ready[half]);
       }
     }

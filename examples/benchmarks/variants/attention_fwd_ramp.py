@@ -162,14 +162,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       const int* idx_it = sm.idx + (it & 1) * slots;
       const bf16* kv_b = kv + (int64_t)b * n_kv * D + j * 8;
       auto fill = [&](int blk, int buf, int half) __attribute__((always_inline)) {
-        bf16* dst = sm.k[buf] + half * (BK * HALF);
-        CUTE_UNROLL
-        for (int i = 0; i < 4; ++i) {
-          const int r = g + 16 * i, row = idx_it[blk * BK + r];
-          const bf16* src = kv_b + (int64_t)max(row, 0) * D + half * HALF;
-          CUTE_UNROLL
-          for (int tile = 0; tile < 4; ++tile) cp_async16(dst + swz(r, tile * 64 + j * 8), src + tile * 64, row >= 0);
-        }
+        gather_half(sm.k[buf] + half * (BK * HALF), kv_b, idx_it, blk, g, j, half);
         cp_async_arrive(&sm.ready[buf][half]);
       };
       // Q of the item, swizzled, once the previous item's last Q K^T has completed
@@ -460,7 +453,7 @@ assert BASE.count(_Q_COPY) == 1 and BASE.count(_INIT) == 1, "the tree's forward 
 EARLY_Q = BASE.replace(_Q_COPY, "").replace(_INIT, "  if (tid < 256) {\n" + _Q_COPY + "  }\n" + _INIT)
 
 VARIANTS = {
-    "early Q": (HELPERS + EARLY_Q, False),
+    "early Q": (EARLY_Q, False),  # BASE carries HELPERS already
     "persistent 232/48": (HELPERS + SOURCE, True),
     "persistent 224/64": (HELPERS + SOURCE.replace("u32 232;", "u32 224;").replace("u32 48;", "u32 64;"), True),
 }
