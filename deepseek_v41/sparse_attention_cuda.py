@@ -180,6 +180,15 @@ __device__ __forceinline__ void gather_half(bf16* dst, const bf16* kv_b, const i
   }
 }
 
+// A warpgroup's 64 x 256 bf16 half staged in shared memory (K-major, swizzled) -> 64 global rows of stride D from
+// dst, one 16-byte store per chunk (the accumulators' own layout would give 4-byte stores)
+__device__ __forceinline__ void store_staged_half(bf16* dst, const bf16* stage, int t) {
+  for (int u = t; u < BH * HALF / 8; u += 128) {
+    const int r = u / (HALF / 8), col = (u % (HALF / 8)) * 8;
+    *reinterpret_cast<uint4*>(dst + r * D + col) = *reinterpret_cast<const uint4*>(stage + swz(r, col));
+  }
+}
+
 }  // namespace csa2
 """
 
@@ -485,11 +494,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     *reinterpret_cast<__nv_bfloat162*>(stage + swz(r, col)) = v;
   }
   bar_sync(wg ? BAR_O1 : BAR_O0, 128);
-  bf16* o_blk = o + (((int64_t)b * seq + s_i) * heads + h0) * D + wg * HALF;
-  for (int u = t; u < BH * HALF / 8; u += 128) {
-    const int r = u / (HALF / 8), col = (u % (HALF / 8)) * 8;
-    *reinterpret_cast<uint4*>(o_blk + r * D + col) = *reinterpret_cast<const uint4*>(stage + swz(r, col));
-  }
+  store_staged_half(o + (((int64_t)b * seq + s_i) * heads + h0) * D + wg * HALF, stage, t);
 }
 """
 

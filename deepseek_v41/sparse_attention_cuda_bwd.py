@@ -323,11 +323,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     *reinterpret_cast<__nv_bfloat162*>(stage + swz(r, col)) = __floats2bfloat162_rn(acc_dq(i), acc_dq(i + 1));
   }
   bar_sync(wg ? BB_DQ1 : BB_DQ0, 128);
-  bf16* dq_blk = dq + row_qh * D + wg * HALF;
-  for (int u = t; u < BH * HALF / 8; u += 128) {
-    const int r = u / (HALF / 8), col = (u % (HALF / 8)) * 8;
-    *reinterpret_cast<uint4*>(dq_blk + r * D + col) = *reinterpret_cast<const uint4*>(stage + swz(r, col));
-  }
+  store_staged_half(dq + row_qh * D + wg * HALF, stage, t);
 }
 """.replace("SMEM_FIXED", str(_SMEM_FIXED))
 
