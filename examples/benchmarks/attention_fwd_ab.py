@@ -19,6 +19,7 @@ FLOP convention as attention.py: 4·b·s·h·k·d with k = 640 (empty slots incl
 
 import argparse
 import ctypes
+import faulthandler
 import subprocess
 import sys
 import time
@@ -122,10 +123,14 @@ def main():
         launch()
         for name, kernel in kernels.items():
             o1, l1, launch = kernel.launcher(*inputs, ctas=ctas)
+            # a kernel that hangs (a variant's synchronisation bug) ends the run with a traceback
+            faulthandler.dump_traceback_later(60, exit=True)
             launch()
+            torch.cuda.synchronize()
+            faulthandler.cancel_dump_traceback_later()
             same = torch.equal(o0, o1) and torch.equal(l0, l1)
             print(f"edge b={b} s={s} h={h} n={n} ctas={ctas or 'all'}  {name:22s} "
-                  f"bit-identical to this tree: {same}")
+                  f"bit-identical to this tree: {same}", flush=True)
 
     b, s, flop = 1, args.s, 4 * args.s * HEADS * SLOTS * DIM
     print(f"# b={b} s={s} h={HEADS} d={DIM} k={SLOTS}; median of {args.reps}")
