@@ -44,6 +44,53 @@ _bwd = sparse_attention_cuda_bwd._SOURCE
 _start = _bwd.index("// Four 32-bit words per lane of a quad")
 QUAD_TRANSPOSE = _bwd[_start : _bwd.index("\n}\n", _start) + 3]
 
+
+def _from_base(start: str, end: str, include_end: bool = False) -> str:
+    a = BASE.index(start)
+    return BASE[a : BASE.index(end, a) + (len(end) if include_end else 0)]
+
+
+def _edit(text: str, *pairs: tuple[str, str]) -> str:
+    for old, new in pairs:
+        assert text.count(old) == 1, f"the tree's forward changed: update this variant ({old!r})"
+        text = text.replace(old, new)
+    return text
+
+
+# The tree's math (operands and lambdas) and pair loops, with the persistent kernel's changes: the running max and
+# sums start per item, the ready phase and the index row's buffer follow the item, and each math warpgroup tells
+# the producer when the item's last Q K^T has completed (q_free), so that the next item's Q may land.
+_MATH = _edit(
+    _from_base("  MmaQK mma_qk;", "  // one loop per warpgroup"),
+    ("  clear(acc_o);\n\n", "\n"),
+    ("  float run_max[2] = {-1.0e30f, -1.0e30f};  // running max of the scaled logits (finite: no inf - inf)\n"
+     "  float run_sum[2] = {0.f, 0.f};            // this warpgroup's partial row sums, relative to run_max\n",
+     "  float run_max[2], run_sum[2];  // running max of the scaled logits (finite: no inf - inf); partial row sums\n"
+     "  // the current item (bits 1..) and the ready / empty phase of its first pair (bit 0: pairs so far, mod 2)\n"
+     "  uint32_t it_phase = 0;\n"),
+    ("mbar_wait(&sm.ready[wg][half], p & 1);", "mbar_wait(&sm.ready[wg][half], (it_phase + p) & 1);"),
+    ("const int* slot_idx = sm.idx + blk * BK;",
+     "const int* slot_idx = sm.idx + ((it_phase >> 1) & 1) * slots + blk * BK;"),
+)
+_WG0_PAIRS = _from_base(
+    "    for (int p = 0; p < n_pairs; ++p) {\n      warpgroup_fence_operand(acc_s);  // S of block 2p",
+    "\n    }\n    warpgroup_fence_operand(acc_o);\n",
+) + "\n      if (p + 2 == n_pairs) mbar_arrive(&sm.q_free);  // pair p + 1's S, the item's last Q K^T, has completed"
+_WG1_PAIRS = _edit(
+    _from_base("    for (int p = 0; p < n_pairs; ++p) {\n      qk_half(p, 1, true);",
+               "      mbar_arrive(&sm.empty[0][1]);\n    }\n", include_end=True),
+    ("      qk_half(p, 0, false);\n      warpgroup_wait<0>();\n",
+     "      qk_half(p, 0, false);\n      warpgroup_wait<0>();\n      if (p + 1 == n_pairs) mbar_arrive(&sm.q_free);\n"),
+)
+_SUMS = _edit(
+    _from_base("  // row sums: over the quad", "  bar_sync(BAR_SUM, 256);\n", include_end=True),
+    ("sm.row_sum[wg][row0]", "sm.row_sum[it & 1][wg][row0]"),
+    ("sm.row_sum[wg][row1]", "sm.row_sum[it & 1][wg][row1]"),
+)
+# the producer's fill order of a pair (the halves the math warpgroups need first come first), two levels deeper
+_FILLS = "".join("  " + line for line in _from_base(
+    "      mbar_wait(&sm.empty[0][0], par);\n", "      fill(2 * p + 1, 1, 0);\n", include_end=True).splitlines(True))
+
 SOURCE = r"""
 namespace csa2 {
 
@@ -176,130 +223,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       const int n_pairs = pairs_of(it);
       for (int p = 0; p < n_pairs; ++p, ++gp) {
         const uint32_t par = (gp & 1) ^ 1;
-        mbar_wait(&sm.empty[0][0], par);
-        fill(2 * p, 0, 0);
-        mbar_wait(&sm.empty[1][1], par);
-        fill(2 * p + 1, 1, 1);
-        mbar_wait(&sm.empty[0][1], par);
-        fill(2 * p, 0, 1);
-        mbar_wait(&sm.empty[1][0], par);
-        fill(2 * p + 1, 1, 0);
-      }
+@FILLS@      }
       if (it + 1 < n_items) load_idx(it + 1);
     }
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  MmaQK mma_qk;
-  MmaPVreg mma_pv_reg;
-  MmaPVsmem mma_pv_smem;
-  auto thr_qk = mma_qk.get_slice(t);
-  auto thr_pv_reg = mma_pv_reg.get_slice(t);
-  auto thr_pv_smem = mma_pv_smem.get_slice(t);
-
-  Tensor acc_s = partition_fragment_C(mma_qk, Shape<_64, _64>{});       // 32 fp32: S, then P in fp32
-  Tensor acc_o = partition_fragment_C(mma_pv_reg, Shape<_64, _256>{});  // 128 fp32: this warpgroup's O columns
-  // P in bf16 as the A operand of P.V: the accumulator's element order is the operand's, so element i = P(i)
-  Tensor reg_p = make_tensor<bf16>(partition_shape_A(mma_pv_reg, Shape<_64, _64>{}));
-  Tensor coord = thr_qk.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (head row, slot column) of i
-
-  const int row0 = get<0>(coord(0)), row1 = row0 + 8;  // element i is on row0 + 8 * ((i / 2) % 2)
-  float run_max[2], run_sum[2];  // running max of the scaled logits (finite: no inf - inf); partial row sums
-  // the current item (bits 1..) and the ready / empty phase of its first pair (bit 0: pairs so far, mod 2)
-  uint32_t it_phase = 0;
-
-  // acc_s (+)= Q_half K_half^T for this warpgroup's block of pair p, once the producer has landed that half
-  auto qk_half = [&](int p, int half, bool zero) __attribute__((always_inline)) {
-    mbar_wait(&sm.ready[wg][half], (it_phase + p) & 1);
-    Tensor tQ = thr_qk.partition_fragment_A(smem_tensor(sm.q + half * (BH * HALF), LayoutHalf{}));
-    Tensor tK = thr_qk.partition_fragment_B(smem_tensor(sm.k[wg] + half * (BK * HALF), LayoutHalf{}));
-    // no operand fence on acc_s here: inside an open wgmma stage a fence counts as a write, and the compiler
-    // then serialises every wgmma; the first k-step of a block zeroes acc_s
-    wgmma(mma_qk, tQ, tK, acc_s, zero);
-    warpgroup_commit_batch();
-  };
-  // V^T operands: this warpgroup's O columns of its own block and of the peer's block; the peer's P
-  auto own_v = [&]() __attribute__((always_inline)) {
-    return thr_pv_reg.partition_fragment_B(smem_tensor(sm.k[wg] + wg * BK * HALF, LayoutHalfT{}));
-  };
-  auto peer_v = [&]() __attribute__((always_inline)) {
-    return thr_pv_smem.partition_fragment_B(smem_tensor(sm.k[wg ^ 1] + wg * BK * HALF, LayoutHalfT{}));
-  };
-  auto peer_p = [&]() __attribute__((always_inline)) {
-    return thr_pv_smem.partition_fragment_A(smem_tensor(sm.p[wg ^ 1], LayoutP{}));
-  };
-  // empty slots to -inf; returns the scaled row maxima of the block (quad-reduced)
-  auto mask_and_max = [&](int blk, float out[2]) __attribute__((always_inline)) {
-    const int* slot_idx = sm.idx + ((it_phase >> 1) & 1) * slots + blk * BK;
-    // bit j: slot j of the block holds a key (two ballots per warp instead of a shared read per element)
-    const uint64_t valid = (uint64_t)__ballot_sync(0xffffffff, slot_idx[t % 32] >= 0) |
-                           ((uint64_t)__ballot_sync(0xffffffff, slot_idx[32 + t % 32] >= 0) << 32);
-    if (valid != ~uint64_t(0)) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i)
-        if (!((valid >> get<1>(coord(i))) & 1)) acc_s(i) = -INFINITY;
-    }
-    out[0] = out[1] = -INFINITY;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) out[(i >> 1) & 1] = fmaxf(out[(i >> 1) & 1], acc_s(i));
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      out[h] = fmaxf(out[h], __shfl_xor_sync(0xffffffff, out[h], 1));
-      out[h] = fmaxf(out[h], __shfl_xor_sync(0xffffffff, out[h], 2));
-      out[h] *= c;
-    }
-  };
-  // acc_o *= per-row factor
-  auto rescale_o = [&](const float f[2]) __attribute__((always_inline)) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= f[(i >> 1) & 1];
-  };
-  // P = exp2(S c - new_max) in fp32 (acc_s) and bf16 (reg_p); O and the sums rescaled to new_max
-  auto softmax = [&](const float new_max[2]) __attribute__((always_inline)) {
-    float scale[2];
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      scale[h] = exp2f(run_max[h] - new_max[h]);
-      run_sum[h] *= scale[h];
-      run_max[h] = new_max[h];
-    }
-    rescale_o(scale);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) {
-      const int h = (i >> 1) & 1;
-      acc_s(i) = exp2f(fmaf(acc_s(i), c, -new_max[h]));
-      run_sum[h] += acc_s(i);
-      reg_p(i) = bf16(acc_s(i));
-    }
-  };
-  // reg_p -> shared (K-major 64 x 64, swizzled), four 8 x 8 matrices per stmatrix (a quarter of the instructions
-  // of 32-bit stores: 5 % of the forward at the V4.1 shape, results/attention_h200.txt)
-  auto store_p = [&](bf16* dst) __attribute__((always_inline)) {
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(&reg_p(0));  // elements i, i + 1 = pair i / 2
-    CUTE_UNROLL
-    for (int cb = 0; cb < BK / 8; cb += 2)
-      stsm_x4(dst, t, cb, pairs[2 * cb], pairs[2 * cb + 1], pairs[2 * cb + 2], pairs[2 * cb + 3]);
-    fence_async_smem();
-  };
-  // the block's softmax against the running max `prev` (this warpgroup's, or warpgroup 0's from shared
-  // memory), its max published for the peer, and O += P V of this warpgroup's own block (P from registers)
-  auto softmax_publish_own_pv = [&](const float prev[2], const float blk_max[2], float* publish, int bar)
-      __attribute__((always_inline)) {
-    float new_max[2] = {fmaxf(prev[0], blk_max[0]), fmaxf(prev[1], blk_max[1])};
-    softmax(new_max);
-    if (t % 4 == 0) {
-      publish[row0] = new_max[0];
-      publish[row1] = new_max[1];
-    }
-    bar_arrive(bar, 256);
-    warpgroup_fence_operand(reg_p);
-    warpgroup_fence_operand(acc_o);
-    wgmma(mma_pv_reg, reg_p, own_v(), acc_o, false);
-    warpgroup_commit_batch();
-  };
-
-  // one loop per warpgroup: a loop that switched roles inside would let the compiler see a path with an
+@MATH@  // one loop per warpgroup: a loop that switched roles inside would let the compiler see a path with an
   // accumulator written while the other role's wgmma is in flight, and it then serialises every wgmma
   float blk_max[2];
   // an item's start: its index row and Q have landed; returns its pair count
@@ -316,18 +247,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   it_phase ^= n_pairs & 1;
   // (warpgroup 0's last S was waited for inside the loop; the final wait<0> drained its P.V)
 
-  // row sums: over the quad, then over the two warpgroups; the sink joins the denominator only
-  CUTE_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 1);
-    run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 2);
-  }
-  if (t % 4 == 0) {
-    sm.row_sum[it & 1][wg][row0] = run_sum[0];
-    sm.row_sum[it & 1][wg][row1] = run_sum[1];
-  }
-  bar_sync(BAR_SUM, 256);
-  const int64_t out_row = sm.row[it & 1];
+@SUMS@  const int64_t out_row = sm.row[it & 1];
   const int h0 = sm.h0[it & 1];
   mbar_arrive(&sm.idx_free[it & 1]);  // the item's index row, row and h0 are read
   float out_scale[2];
@@ -368,43 +288,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       warpgroup_wait<0>();
     }
     if (n_pairs <= 1) mbar_arrive(&sm.q_free);  // the item's last Q K^T has completed
-    for (int p = 0; p < n_pairs; ++p) {
-      warpgroup_fence_operand(acc_s);  // S of block 2p
-      mask_and_max(2 * p, blk_max);
-      softmax_publish_own_pv(run_max, blk_max, sm.max_a, BAR_MAX_A);  // O_left += P0 V0_left
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      mbar_arrive(&sm.empty[0][0]);
-      bar_sync(BAR_MAX_B, 256);  // warpgroup 1 has the pair's max
-      float fix[2];
-      fix[0] = exp2f(run_max[0] - sm.max_b[row0]);
-      fix[1] = exp2f(run_max[1] - sm.max_b[row1]);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) reg_p(i) = bf16(acc_s(i) * fix[(i >> 1) & 1]);
-      store_p(sm.p[0]);
-      bar_arrive(BAR_P0, 256);
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        run_sum[h] *= fix[h];
-        run_max[h] = sm.max_b[h ? row1 : row0];
-      }
-      rescale_o(fix);
-      bar_sync(BAR_P1, 256);
-      warpgroup_fence_operand(acc_o);
-      wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_left += P1 V1_left
-      warpgroup_commit_batch();
-      if (p + 1 < n_pairs) {  // the next pair's S, its left half while P1 V1_left runs
-        qk_half(p + 1, 0, true);
-        warpgroup_wait<1>();
-        mbar_arrive(&sm.empty[1][0]);
-        qk_half(p + 1, 1, false);
-      } else {
-        warpgroup_wait<0>();
-        mbar_arrive(&sm.empty[1][0]);
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      if (p + 2 == n_pairs) mbar_arrive(&sm.q_free);  // pair p + 1's S, the item's last Q K^T, has completed
+@WG0_PAIRS@
     }
     warpgroup_fence_operand(acc_o);
     finish_item(it, n_pairs);
@@ -414,32 +298,15 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int it = it_phase >> 1;
     const int n_pairs = start_item(it);
     if (n_pairs == 0) mbar_arrive(&sm.q_free);
-    for (int p = 0; p < n_pairs; ++p) {
-      qk_half(p, 1, true);  // the producer lands warpgroup 1's right half first
-      qk_half(p, 0, false);
-      warpgroup_wait<0>();
-      if (p + 1 == n_pairs) mbar_arrive(&sm.q_free);
-      warpgroup_fence_operand(acc_s);
-      mask_and_max(2 * p + 1, blk_max);
-      bar_sync(BAR_MAX_A, 256);
-      const float max_a[2] = {sm.max_a[row0], sm.max_a[row1]};
-      softmax_publish_own_pv(max_a, blk_max, sm.max_b, BAR_MAX_B);  // O_right += P1 V1_right
-      store_p(sm.p[1]);
-      bar_arrive(BAR_P1, 256);
-      bar_sync(BAR_P0, 256);
-      wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_right += P0 V0_right
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      mbar_arrive(&sm.empty[1][1]);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      mbar_arrive(&sm.empty[0][1]);
-    }
-    finish_item(it, n_pairs);
+@WG1_PAIRS@    finish_item(it, n_pairs);
    }
   }
 }
-""".replace("QUAD_TRANSPOSE", QUAD_TRANSPOSE)
+"""
+for _name, _part in (("QUAD_TRANSPOSE", QUAD_TRANSPOSE), ("@MATH@", _MATH), ("@WG0_PAIRS@", _WG0_PAIRS),
+                     ("@WG1_PAIRS@", _WG1_PAIRS), ("@SUMS@", _SUMS), ("@FILLS@", _FILLS)):
+    assert SOURCE.count(_name) == 1, _name
+    SOURCE = SOURCE.replace(_name, _part)
 
 # the tree's kernel with Q's copies issued first (by the math warpgroups, waited for where they waited before)
 _Q_COPY = """    const bf16* q_blk = q + (((int64_t)b * seq + s_i) * heads + h0) * D;
