@@ -95,10 +95,10 @@ def run_checker(tmp_path, paths, *extra):
 
 
 def assert_same_run_up_to_cpu_rounding(ours: torch.Tensor, stored: torch.Tensor) -> None:
-    """The same bf16 computation as the stored one, run on another CPU. Bit-identical on the machine that made
-    the fixtures; on an AMX machine 1 element of the 4,096 of `final_hidden` came out 1 bf16 ulp apart. A wrong
-    weight read or decode moves most elements by far more: at most 1 % of the elements may differ, each by at
-    most 1 bf16 ulp of the larger magnitude."""
+    """The same bf16 computation as the stored one, run on another CPU. Bit-identical on the machine that
+    made the fixtures; on an AMX machine 1 element of the 4,096 of `final_hidden` came out 1 bf16 ulp apart.
+    A wrong weight read or decode moves most elements by far more: at most 1 % of the elements may differ,
+    each by at most 1 bf16 ulp of the larger magnitude."""
     assert ours.shape == stored.shape and ours.dtype == stored.dtype
     a, b = ours.float(), stored.float()
     differ = a != b
@@ -121,12 +121,13 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, weig
     monkeypatch.setattr(tool, "build_report", lambda run, *args: official.append(run) or build_report(run, *args))
     code, whole = run_checker(tmp_path, paths, "--weights", weights, "--mode", "whole", "--kernels", str(kernels))
     # The checker's official run (its own weight reading and decoding) is the stored official run, up to the
-    # CPU's own rounding (see same_run_up_to_cpu_rounding).
+    # CPU's own rounding (see assert_same_run_up_to_cpu_rounding).
     tag = {"bf16": "bf16w_bf16", "released": "fp8w_bf16"}[weights]
     assert_same_run_up_to_cpu_rounding(official[0]["hidden"], paths["golden"][f"{tag}.final_hidden"])
     if weights == "bf16":
         # fp32 logits of that hidden state: 9.5e-7 apart at most where one hidden element was 1 ulp apart
-        torch.testing.assert_close(official[0]["returned"], paths["golden"]["bf16w_bf16.logits_last"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(official[0]["returned"], paths["golden"]["bf16w_bf16.logits_last"],
+                                   rtol=0, atol=1e-5)
     print(weights, "whole", json.dumps({k: whole[k] for k in ("every_position", "returned_logits")}))
     assert code == 0 and whole["passed"] and not whole["failures"]
     assert whole["settings"]["kernels"] == str(kernels)

@@ -8,8 +8,8 @@ from separate runs (the forward varies by a few per cent between processes and m
 
     python examples/benchmarks/attention_fwd_ab.py [--baseline REV] [--variants FILE] [--ratios 1 2 4]
 
-``--variants FILE``: a Python file that defines ``VARIANTS = {name: (cuda_source, persistent)}``, given this
-tree's device helpers as ``HELPERS`` and its kernel source as ``BASE``.  A persistent variant takes one more
+``--variants FILE``: a Python file that defines ``VARIANTS = {name: (cuda_source, persistent)}`` (it imports
+what it builds on, e.g. ``sparse_attention_cuda.HELPERS``).  A persistent variant takes one more
 argument (the batch size) and runs on min(items, multiprocessors) CTAs; the others on one CTA per (query,
 64 heads).  Before timing, every kernel is checked bit for bit against this tree's on small inputs with
 empty index rows, repeated rows, two batches, 128 heads and few CTAs (many items each).
@@ -105,7 +105,7 @@ def main():
     if args.baseline:
         sources[f"baseline {args.baseline}"] = (kernel_source_at(args.baseline), False)
     if args.variants:
-        scope = {"HELPERS": sac.HELPERS, "BASE": sac._SOURCE}
+        scope = {}
         exec(args.variants.read_text(), scope)
         sources.update(scope["VARIANTS"])
     start = time.time()
