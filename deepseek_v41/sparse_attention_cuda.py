@@ -51,12 +51,19 @@ LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x·log2 e)
 HEAD_DIM = 512
 HEADS_PER_CTA = 64
 SLOTS_PER_PAIR = 128  # two 64-slot blocks, one per math warpgroup: idx is padded to a multiple with empty slots
-# shared memory before the index row: Q 64·512·2 + K 2·64·512·2 + P 2·64·64·2 + maxima and sums 4·64·4
-# + 8 mbarriers + the count of slots up to the last key (16 bytes kept); 1 KB more lets the kernel align its
-# buffers to 1024 bytes (the swizzle is on address bits)
-_SMEM_FIXED = 65536 + 131072 + 16384 + 1024 + 64 + 16 + 1024
+# shared memory before the index row: Q 64·512·2 + K 2·64·512·2 + P 2·64·64·2 + maxima 2·64·4 + two items' row sums
+# 2·2·64·4 + 14 mbarriers + two items' output rows, first heads and last keys + the CTA's item count, padded to 16
+# bytes = offsetof(Smem, idx), which the kernel asserts; 1 KB more lets it align its buffers to 1024 bytes (the
+# swizzle is on address bits).  Per slot: the index row (4 bytes) and two items' slot masks (2 bits)
+_SMEM_FIXED = 65536 + 131072 + 16384 + 512 + 1024 + 112 + 16 + 8 + 32 + 4 + 4 + 1024
 _SMEM_MAX = 227 * 1024  # Hopper's per-block opt-in limit
-MAX_SLOTS = (_SMEM_MAX - _SMEM_FIXED) // 4 // SLOTS_PER_PAIR * SLOTS_PER_PAIR
+
+
+def _smem_bytes(slots: int) -> int:
+    return _SMEM_FIXED + 4 * slots + slots // 4
+
+
+MAX_SLOTS = (_SMEM_MAX - _SMEM_FIXED) * 4 // 17 // SLOTS_PER_PAIR * SLOTS_PER_PAIR
 _FLAGS: tuple[str, ...] = ()  # cuda_module compiles with -O3 -DNDEBUG --expt-relaxed-constexpr
 
 _kernels: dict = {}
@@ -151,20 +158,6 @@ __device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& c,
   }
 }
 
-// The query's index row -> shared memory (all 384 threads), and 1 + its last slot holding a key (0: none) ->
-// *n_valid, a shared int that thread 0 zeroed before the kernel's first __syncthreads.
-__device__ __forceinline__ void load_index_row(const int* idx_row, int* dst, int slots, int* n_valid, int tid) {
-  int last = 0;
-  for (int i = tid; i < slots; i += 384) {
-    const int row = idx_row[i];
-    dst[i] = row;
-    if (row >= 0) last = i + 1;
-  }
-  __syncthreads();
-  if (last > 0) atomicMax(n_valid, last);
-  __syncthreads();
-}
-
 // One half (256 latent columns) of the kv rows of index block blk -> a K-major 128-byte-swizzled 64 x 256 buffer,
 // by cp.async: producer thread (g = t / 8, j = t % 8) copies 16-byte chunk j of each 128-byte tile row of rows g,
 // g + 16, g + 32, g + 48; an empty slot (-1) fills zeros.  kv_b: the batch's kv plus 8 j columns; idx: the index
@@ -180,13 +173,15 @@ __device__ __forceinline__ void gather_half(bf16* dst, const bf16* kv_b, const i
   }
 }
 
-// A warpgroup's 64 x 256 bf16 half staged in shared memory (K-major, swizzled) -> 64 global rows of stride D from
-// dst, one 16-byte store per chunk (the accumulators' own layout would give 4-byte stores)
-__device__ __forceinline__ void store_staged_half(bf16* dst, const bf16* stage, int t) {
-  for (int u = t; u < BH * HALF / 8; u += 128) {
-    const int r = u / (HALF / 8), col = (u % (HALF / 8)) * 8;
-    *reinterpret_cast<uint4*>(dst + r * D + col) = *reinterpret_cast<const uint4*>(stage + swz(r, col));
-  }
+// Four 32-bit words per lane of a quad, A[lane][k] -> A[k][lane] (two butterfly stages of two shuffles each): the
+// quad's words of four 8-column groups become one group's 16 contiguous bytes per lane
+__device__ __forceinline__ void quad_transpose(uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3, int lane) {
+  const bool hi2 = lane & 2, hi1 = lane & 1;
+  uint32_t r0 = __shfl_xor_sync(0xffffffff, hi2 ? a0 : a2, 2), r1 = __shfl_xor_sync(0xffffffff, hi2 ? a1 : a3, 2);
+  if (hi2) { a0 = r0; a1 = r1; } else { a2 = r0; a3 = r1; }
+  r0 = __shfl_xor_sync(0xffffffff, hi1 ? a0 : a1, 1);
+  r1 = __shfl_xor_sync(0xffffffff, hi1 ? a2 : a3, 1);
+  if (hi1) { a0 = r0; a2 = r1; } else { a1 = r0; a3 = r1; }
 }
 
 }  // namespace csa2
@@ -196,20 +191,33 @@ _SOURCE = HELPERS + r"""
 namespace csa2 {
 
 struct alignas(1024) Smem {
-  bf16 q[BH * D];      // Q as two 64 x 256 halves; reused to stage O at the end
+  bf16 q[BH * D];      // Q of the current item as two 64 x 256 halves
   bf16 k[2][BK * D];   // gathered kv rows of the pair's two blocks, each as two halves
   bf16 p[2][BH * BK];  // P of warpgroup w, for the other warpgroup's P.V
   float max_a[BH];     // row max after warpgroup 0's block, for warpgroup 1
   float max_b[BH];     // row max after both blocks, for warpgroup 0
-  float row_sum[2][BH];
+  float row_sum[2][2][BH];  // [item % 2][warpgroup]: partial row sums (an item without keys skips every barrier
+                           // but BAR_SUM, so a warpgroup may write the next item's sums while the peer reads)
   uint64_t ready[2][2];  // [block of the pair][half]: the gather landed
   uint64_t empty[2][2];  // [block][half]: every reader is done, the producer may refill
-  int n_valid;           // 1 + the last slot that holds a key (0: none)
-  int idx[1];            // the query's index row, `slots` entries (dynamic tail)
+  uint64_t q_ready;      // the item's Q landed
+  uint64_t q_free;       // both math warpgroups' last Q K^T of the item completed: the next Q may land
+  uint64_t idx_ready[2]; // [item % 2]: the item's slot masks, last keys, row and h0 are in shared memory
+  uint64_t idx_free[2];  // [item % 2]: the math warpgroups are done with them
+  int64_t row[2];        // [item % 2]: the item's first row of o / lse2, (b * seq + s_i) * heads + h0
+  int h0[2];             // [item % 2]: its first head
+  int n_valid[2][4];     // [item % 2][producer warp]: 1 + the last slot that holds a key among the warp's slots
+  int n_items;           // this CTA's items
+  // dynamic tail: the index row of the item the producer gathers (slots ints; only the producer reads it), then
+  // valid[2][slots / 64] (uint64: [item % 2][block], bit j: slot j of the block holds a key) for the math
+  alignas(16) int idx[1];
 };
 
+// the launch's shared-memory size (_SMEM_FIXED, MAX_SLOTS) is computed from this offset
+static_assert(offsetof(Smem, idx) == SMEM_IDX_OFFSET, "update _SMEM_FIXED in sparse_attention_cuda.py");
+
 // named barriers between the two math warpgroups (0 is __syncthreads)
-enum : int { BAR_Q = 1, BAR_MAX_A = 2, BAR_MAX_B = 3, BAR_P0 = 4, BAR_P1 = 5, BAR_SUM = 6, BAR_O0 = 7, BAR_O1 = 8 };
+enum : int { BAR_PRODUCER = 1, BAR_MAX_A = 2, BAR_MAX_B = 3, BAR_P0 = 4, BAR_P1 = 5, BAR_SUM = 6 };
 
 }  // namespace csa2
 
@@ -217,72 +225,121 @@ using namespace csa2;
 
 // q [b, s, H, 512] bf16, kv [b, n, 512] bf16, idx [b, s, slots] int32 (-1: empty), sink2 [H] fp32 (sink * log2 e)
 // -> o [b, s, H, 512] bf16, lse2 [b, s, H] fp32 (base-2 log-sum-exp of the scaled logits and the sink).
-// grid (s * H / 64, b), 384 threads: warpgroups 0 and 1 compute, warpgroup 2 gathers.  slots % 128 == 0.
+// Persistent: grid (CTAs, 1), 384 threads; CTA x takes items x, x + CTAs, ... (item: one query's 64 heads), the last
+// query first.  Warpgroups 0 and 1 compute, warpgroup 2 gathers and loads each item's index row and Q ahead of the
+// math.  slots % 128 == 0.
 extern "C" __global__ void __launch_bounds__(384, 1)
     csa2_sparse_attn_fwd_d512(const bf16* __restrict__ q, const bf16* __restrict__ kv, const int* __restrict__ idx,
                               const float* __restrict__ sink2, bf16* __restrict__ o, float* __restrict__ lse2, int seq,
-                              int n_kv, int heads, int slots, float c) {
+                              int n_kv, int heads, int slots, float c, int batch) {
   // the 128-byte swizzle is on address bits, so the buffers need 1024-byte alignment: the launch asks for 1 KB extra
   extern __shared__ __align__(1024) char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const int n_hblk = heads / BH;
-  // the last query first: queries near the start have fewer keys (trailing empty pairs are skipped), so the short
-  // CTAs come last and fill the final wave
-  const int s_i = seq - 1 - (int)blockIdx.x / n_hblk, h0 = (blockIdx.x % n_hblk) * BH, b = blockIdx.y;
+  const int n_hblk = heads / BH, per_query = n_hblk * batch;
+  const int n_items = (seq * per_query - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this CTA's
+  // item `it` of this CTA: the last query first (queries near the start have fewer keys and trailing empty pairs are
+  // skipped, so the short items come last), then batch, then head block
+  auto item = [&](int it, int& b, int& s_i, int& h0) __attribute__((always_inline)) {
+    const int j = (int)blockIdx.x + it * (int)gridDim.x, r = j % per_query;
+    s_i = seq - 1 - j / per_query;
+    b = r / n_hblk;
+    h0 = (r % n_hblk) * BH;
+  };
   // the warpgroup index through a shuffle, so the compiler knows it is uniform across each warp
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffff, tid / 128, 0), t = tid % 128;
-  const int* idx_row = idx + ((int64_t)b * seq + s_i) * slots;
 
   if (tid == 0) {
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 2; ++i) {
       for (int h = 0; h < 2; ++h) {
         mbar_init(&sm.ready[i][h], 128);
         mbar_init(&sm.empty[i][h], 128);
       }
+      mbar_init(&sm.idx_ready[i], 128);
+      mbar_init(&sm.idx_free[i], 256);
+    }
+    mbar_init(&sm.q_ready, 128);
+    mbar_init(&sm.q_free, 256);
+    sm.n_items = n_items;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    sm.n_valid = 0;
   }
-  load_index_row(idx_row, sm.idx, slots, &sm.n_valid, tid);
-  // pairs up to the last key: a pair of empty slots adds nothing (P = 0, the running max unchanged), so the
-  // trailing ones (queries with fewer visible keys than top-k) are skipped.  Through a shuffle, so the compiler
-  // knows it is warp-uniform (read straight from shared memory, the loops spill registers)
-  const int n_pairs = __shfl_sync(0xffffffff, (sm.n_valid + 2 * BK - 1) / (2 * BK), 0);
+  __syncthreads();
+  // the item's pairs up to its last key: a pair of empty slots adds nothing (P = 0, the running max unchanged), so
+  // the trailing ones (queries with fewer visible keys than top-k) are skipped.  Through a shuffle, so the compiler
+  // knows it is warp-uniform
+  auto pairs_of = [&](int it) __attribute__((always_inline)) {
+    const int* nv = sm.n_valid[it & 1];
+    const int last = max(max(nv[0], nv[1]), max(nv[2], nv[3]));
+    return __shfl_sync(0xffffffff, (last + 2 * BK - 1) / (2 * BK), 0);
+  };
 
   if (wg == 2) {
     // producer: thread t copies 16-byte chunk j of a 128-byte tile row, for rows g, g + 16, g + 32, g + 48
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     const int j = t % 8, g = t / 8;
-    const bf16* kv_b = kv + (int64_t)b * n_kv * D + j * 8;
-    auto fill = [&](int blk, int buf, int half) __attribute__((always_inline)) {
-      gather_half(sm.k[buf] + half * (BK * HALF), kv_b, sm.idx, blk, g, j, half);
-      cp_async_arrive(&sm.ready[buf][half]);
+    // item it's index row -> sm.idx, once every producer warp has issued the previous item's gathers from it; its
+    // slot masks and each producer warp's last key -> buffer it % 2, once the math of item it - 2 is done with it
+    auto load_idx = [&](int it) __attribute__((always_inline)) {
+      int b, s_i, h0;
+      item(it, b, s_i, h0);
+      const int* row = idx + ((int64_t)b * seq + s_i) * slots;
+      uint32_t* valid = reinterpret_cast<uint32_t*>(sm.idx + slots) + (it & 1) * (slots / 32);
+      bar_sync(BAR_PRODUCER, 128);
+      mbar_wait(&sm.idx_free[it & 1], ((it >> 1) & 1) ^ 1);  // a fresh barrier passes the wait on parity 1
+      int last = 0;
+      for (int i = t; i < slots; i += 128) {  // warp w: slots i - t + 32 w .. + 31, one mask word
+        const int v = row[i];
+        sm.idx[i] = v;
+        const uint32_t word = __ballot_sync(0xffffffff, v >= 0);
+        if (t % 32 == 0) valid[i / 32] = word;
+        if (v >= 0) last = i + 1;
+      }
+      last = __reduce_max_sync(0xffffffff, last);
+      if (t % 32 == 0) sm.n_valid[it & 1][t / 32] = last;
+      if (t == 0) {  // where the math warpgroups write the item's outputs (divisions kept out of their loops)
+        sm.row[it & 1] = ((int64_t)b * seq + s_i) * heads + h0;
+        sm.h0[it & 1] = h0;
+      }
+      bar_sync(BAR_PRODUCER, 128);  // this warpgroup's gathers read the whole row
+      mbar_arrive(&sm.idx_ready[it & 1]);
     };
-    for (int p = 0; p < n_pairs; ++p) {
-      const uint32_t par = (p & 1) ^ 1;  // a fresh barrier passes the wait on parity 1
-      mbar_wait(&sm.empty[0][0], par);
-      fill(2 * p, 0, 0);
-      mbar_wait(&sm.empty[1][1], par);
-      fill(2 * p + 1, 1, 1);
-      mbar_wait(&sm.empty[0][1], par);
-      fill(2 * p, 0, 1);
-      mbar_wait(&sm.empty[1][0], par);
-      fill(2 * p + 1, 1, 0);
+    uint32_t gp = 0;  // pairs gathered so far, over all items: the ready / empty phase
+    if (n_items > 0) load_idx(0);
+    for (int it = 0; it < n_items; ++it) {
+      int b, s_i, h0;
+      item(it, b, s_i, h0);
+      const bf16* kv_b = kv + (int64_t)b * n_kv * D + j * 8;
+      auto fill = [&](int blk, int buf, int half) __attribute__((always_inline)) {
+        gather_half(sm.k[buf] + half * (BK * HALF), kv_b, sm.idx, blk, g, j, half);
+        cp_async_arrive(&sm.ready[buf][half]);
+      };
+      // Q of the item, swizzled, once the previous item's last Q K^T has completed
+      mbar_wait(&sm.q_free, (it & 1) ^ 1);
+      {  // thread t copies 16-byte chunk t % 64 of rows t / 64, t / 64 + 2, ... (its addresses in few registers)
+        const int col = (t % 64) * 8;
+        bf16* dst = sm.q + (col / HALF) * (BH * HALF);
+        const bf16* src = q + (((int64_t)b * seq + s_i) * heads + h0) * D + col;
+#pragma unroll 1
+        for (int r = t / 64; r < BH; r += 2) cp_async16(dst + swz(r, col % HALF), src + r * D, true);
+      }
+      cp_async_arrive(&sm.q_ready);
+      const int n_pairs = pairs_of(it);
+      for (int p = 0; p < n_pairs; ++p, ++gp) {
+        const uint32_t par = (gp & 1) ^ 1;
+        mbar_wait(&sm.empty[0][0], par);
+        fill(2 * p, 0, 0);
+        mbar_wait(&sm.empty[1][1], par);
+        fill(2 * p + 1, 1, 1);
+        mbar_wait(&sm.empty[0][1], par);
+        fill(2 * p, 0, 1);
+        mbar_wait(&sm.empty[1][0], par);
+        fill(2 * p + 1, 1, 0);
+      }
+      if (it + 1 < n_items) load_idx(it + 1);
     }
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-  {  // Q -> shared, swizzled; 256 threads x 16 chunks of 16 bytes
-    const bf16* q_blk = q + (((int64_t)b * seq + s_i) * heads + h0) * D;
-    for (int u = tid; u < BH * D / 8; u += 256) {
-      const int r = u / (D / 8), col = (u % (D / 8)) * 8;
-      cp_async16(sm.q + (col / HALF) * (BH * HALF) + swz(r, col % HALF), q_blk + r * D + col, true);
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    fence_async_smem();
-    bar_sync(BAR_Q, 256);
-  }
-
   MmaQK mma_qk;
   MmaPVreg mma_pv_reg;
   MmaPVsmem mma_pv_smem;
@@ -295,15 +352,15 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   // P in bf16 as the A operand of P.V: the accumulator's element order is the operand's, so element i = P(i)
   Tensor reg_p = make_tensor<bf16>(partition_shape_A(mma_pv_reg, Shape<_64, _64>{}));
   Tensor coord = thr_qk.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (head row, slot column) of i
-  clear(acc_o);
 
   const int row0 = get<0>(coord(0)), row1 = row0 + 8;  // element i is on row0 + 8 * ((i / 2) % 2)
-  float run_max[2] = {-1.0e30f, -1.0e30f};  // running max of the scaled logits (finite: no inf - inf)
-  float run_sum[2] = {0.f, 0.f};            // this warpgroup's partial row sums, relative to run_max
+  float run_max[2], run_sum[2];  // running max of the scaled logits (finite: no inf - inf); partial row sums
+  // the current item (bits 1..) and the ready / empty phase of its first pair (bit 0: pairs so far, mod 2)
+  uint32_t it_phase = 0;
 
   // acc_s (+)= Q_half K_half^T for this warpgroup's block of pair p, once the producer has landed that half
   auto qk_half = [&](int p, int half, bool zero) __attribute__((always_inline)) {
-    mbar_wait(&sm.ready[wg][half], p & 1);
+    mbar_wait(&sm.ready[wg][half], (it_phase + p) & 1);
     Tensor tQ = thr_qk.partition_fragment_A(smem_tensor(sm.q + half * (BH * HALF), LayoutHalf{}));
     Tensor tK = thr_qk.partition_fragment_B(smem_tensor(sm.k[wg] + half * (BK * HALF), LayoutHalf{}));
     // no operand fence on acc_s here: inside an open wgmma stage a fence counts as a write, and the compiler
@@ -323,14 +380,16 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   };
   // empty slots to -inf; returns the scaled row maxima of the block (quad-reduced)
   auto mask_and_max = [&](int blk, float out[2]) __attribute__((always_inline)) {
-    const int* slot_idx = sm.idx + blk * BK;
-    // bit j: slot j of the block holds a key (two ballots per warp instead of a shared read per element)
-    const uint64_t valid = (uint64_t)__ballot_sync(0xffffffff, slot_idx[t % 32] >= 0) |
-                           ((uint64_t)__ballot_sync(0xffffffff, slot_idx[32 + t % 32] >= 0) << 32);
+    // bit j: slot j of the block holds a key (the producer's ballots over the item's index row)
+    const uint64_t* masks = reinterpret_cast<const uint64_t*>(sm.idx + slots) + ((it_phase >> 1) & 1) * (slots / 64);
+    const uint64_t valid = masks[blk];
     if (valid != ~uint64_t(0)) {
+      // one variable shift to this thread's first column; the others are constant offsets from it (32 hoisted
+      // 64-bit masks, one per column, would spill)
+      const uint64_t v = valid >> get<1>(coord(0));
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i)
-        if (!((valid >> get<1>(coord(i))) & 1)) acc_s(i) = -INFINITY;
+        if (!((v >> (get<1>(coord(i)) - get<1>(coord(0)))) & 1)) acc_s(i) = -INFINITY;
     }
     out[0] = out[1] = -INFINITY;
     CUTE_UNROLL
@@ -394,109 +453,143 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   // one loop per warpgroup: a loop that switched roles inside would let the compiler see a path with an
   // accumulator written while the other role's wgmma is in flight, and it then serialises every wgmma
   float blk_max[2];
+  // an item's start: its index row and Q have landed; returns its pair count
+  auto start_item = [&](int it) __attribute__((always_inline)) {
+    mbar_wait(&sm.idx_ready[it & 1], (it >> 1) & 1);
+    clear(acc_o);
+    run_max[0] = run_max[1] = -1.0e30f;
+    run_sum[0] = run_sum[1] = 0.f;
+    mbar_wait(&sm.q_ready, it & 1);
+    return pairs_of(it);
+  };
+  // an item's end: the phase moves on by its pairs, its index row is released, O and lse2 are written
+  auto finish_item = [&](int it, int n_pairs) __attribute__((always_inline)) {
+    it_phase ^= n_pairs & 1;
+    // (warpgroup 0's last S was waited for inside the loop; the final wait<0> drained its P.V)
+    // row sums: over the quad, then over the two warpgroups; the sink joins the denominator only
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 1);
+      run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 2);
+    }
+    if (t % 4 == 0) {
+      sm.row_sum[it & 1][wg][row0] = run_sum[0];
+      sm.row_sum[it & 1][wg][row1] = run_sum[1];
+    }
+    bar_sync(BAR_SUM, 256);
+    const int64_t out_row = sm.row[it & 1];
+    const int h0 = sm.h0[it & 1];
+    mbar_arrive(&sm.idx_free[it & 1]);  // the item's masks, row and h0 are read
+    float out_scale[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = h ? row1 : row0;
+      const float l = sm.row_sum[it & 1][0][r] + sm.row_sum[it & 1][1][r], s2 = sink2[h0 + r];
+      const float top = fmaxf(run_max[h], s2), a = exp2f(run_max[h] - top);
+      const float total = l * a + exp2f(s2 - top);
+      out_scale[h] = a / total;
+      if (wg == 1 && t % 4 == 0) lse2[out_row + r] = top + log2f(total);
+    }
+    // O -> bf16 -> global from the accumulators: each quad's words of four 8-column groups transposed so that a lane
+    // stores one group's 16 bytes (no staging in shared memory: Q's buffer already holds the next item's Q)
+    bf16* o_row = o + (out_row + row0) * D + wg * HALF + 8 * (t % 4);
+    CUTE_UNROLL
+    for (int m = 0; m < 8; ++m)  // groups 4m .. 4m + 3 of the warpgroup's 32
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {  // row0, row0 + 8
+        uint32_t w[4];
+        CUTE_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          const int i = 16 * m + 4 * k + 2 * h;
+          __nv_bfloat162 v = __floats2bfloat162_rn(acc_o(i) * out_scale[h], acc_o(i + 1) * out_scale[h]);
+          w[k] = reinterpret_cast<uint32_t&>(v);
+        }
+        quad_transpose(w[0], w[1], w[2], w[3], t % 4);
+        *reinterpret_cast<uint4*>(o_row + h * 8 * D + 32 * m) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+  };
   if (wg == 0) {
-    if (n_pairs > 0) {
-      qk_half(0, 0, true);
-      qk_half(0, 1, false);
-      warpgroup_wait<0>();
-    }
-    for (int p = 0; p < n_pairs; ++p) {
-      warpgroup_fence_operand(acc_s);  // S of block 2p
-      mask_and_max(2 * p, blk_max);
-      softmax_publish_own_pv(run_max, blk_max, sm.max_a, BAR_MAX_A);  // O_left += P0 V0_left
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      mbar_arrive(&sm.empty[0][0]);
-      bar_sync(BAR_MAX_B, 256);  // warpgroup 1 has the pair's max
-      float fix[2];
-      fix[0] = exp2f(run_max[0] - sm.max_b[row0]);
-      fix[1] = exp2f(run_max[1] - sm.max_b[row1]);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) reg_p(i) = bf16(acc_s(i) * fix[(i >> 1) & 1]);
-      store_p(sm.p[0]);
-      bar_arrive(BAR_P0, 256);
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        run_sum[h] *= fix[h];
-        run_max[h] = sm.max_b[h ? row1 : row0];
-      }
-      rescale_o(fix);
-      bar_sync(BAR_P1, 256);
-      warpgroup_fence_operand(acc_o);
-      wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_left += P1 V1_left
-      warpgroup_commit_batch();
-      if (p + 1 < n_pairs) {  // the next pair's S, its left half while P1 V1_left runs
-        qk_half(p + 1, 0, true);
-        warpgroup_wait<1>();
-        mbar_arrive(&sm.empty[1][0]);
-        qk_half(p + 1, 1, false);
-      } else {
+    for (; (int)(it_phase >> 1) < sm.n_items; it_phase += 2) {
+      const int it = it_phase >> 1;
+      const int n_pairs = start_item(it);
+      if (n_pairs > 0) {
+        qk_half(0, 0, true);
+        qk_half(0, 1, false);
         warpgroup_wait<0>();
-        mbar_arrive(&sm.empty[1][0]);
       }
-      warpgroup_wait<0>();
+      if (n_pairs <= 1) mbar_arrive(&sm.q_free);  // the item's last Q K^T has completed
+      for (int p = 0; p < n_pairs; ++p) {
+        warpgroup_fence_operand(acc_s);  // S of block 2p
+        mask_and_max(2 * p, blk_max);
+        softmax_publish_own_pv(run_max, blk_max, sm.max_a, BAR_MAX_A);  // O_left += P0 V0_left
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        mbar_arrive(&sm.empty[0][0]);
+        bar_sync(BAR_MAX_B, 256);  // warpgroup 1 has the pair's max
+        float fix[2];
+        fix[0] = exp2f(run_max[0] - sm.max_b[row0]);
+        fix[1] = exp2f(run_max[1] - sm.max_b[row1]);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) reg_p(i) = bf16(acc_s(i) * fix[(i >> 1) & 1]);
+        store_p(sm.p[0]);
+        bar_arrive(BAR_P0, 256);
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          run_sum[h] *= fix[h];
+          run_max[h] = sm.max_b[h ? row1 : row0];
+        }
+        rescale_o(fix);
+        bar_sync(BAR_P1, 256);
+        warpgroup_fence_operand(acc_o);
+        wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_left += P1 V1_left
+        warpgroup_commit_batch();
+        if (p + 1 < n_pairs) {  // the next pair's S, its left half while P1 V1_left runs
+          qk_half(p + 1, 0, true);
+          warpgroup_wait<1>();
+          mbar_arrive(&sm.empty[1][0]);
+          qk_half(p + 1, 1, false);
+        } else {
+          warpgroup_wait<0>();
+          mbar_arrive(&sm.empty[1][0]);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        if (p + 2 == n_pairs) mbar_arrive(&sm.q_free);  // pair p + 1's S, the item's last Q K^T, has completed
+      }
       warpgroup_fence_operand(acc_o);
+      finish_item(it, n_pairs);
     }
-    warpgroup_fence_operand(acc_o);
   } else {
-    for (int p = 0; p < n_pairs; ++p) {
-      qk_half(p, 1, true);  // the producer lands warpgroup 1's right half first
-      qk_half(p, 0, false);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      mask_and_max(2 * p + 1, blk_max);
-      bar_sync(BAR_MAX_A, 256);
-      const float max_a[2] = {sm.max_a[row0], sm.max_a[row1]};
-      softmax_publish_own_pv(max_a, blk_max, sm.max_b, BAR_MAX_B);  // O_right += P1 V1_right
-      store_p(sm.p[1]);
-      bar_arrive(BAR_P1, 256);
-      bar_sync(BAR_P0, 256);
-      wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_right += P0 V0_right
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      mbar_arrive(&sm.empty[1][1]);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      mbar_arrive(&sm.empty[0][1]);
+    for (; (int)(it_phase >> 1) < sm.n_items; it_phase += 2) {
+      const int it = it_phase >> 1;
+      const int n_pairs = start_item(it);
+      if (n_pairs == 0) mbar_arrive(&sm.q_free);
+      for (int p = 0; p < n_pairs; ++p) {
+        qk_half(p, 1, true);  // the producer lands warpgroup 1's right half first
+        qk_half(p, 0, false);
+        warpgroup_wait<0>();
+        if (p + 1 == n_pairs) mbar_arrive(&sm.q_free);
+        warpgroup_fence_operand(acc_s);
+        mask_and_max(2 * p + 1, blk_max);
+        bar_sync(BAR_MAX_A, 256);
+        const float max_a[2] = {sm.max_a[row0], sm.max_a[row1]};
+        softmax_publish_own_pv(max_a, blk_max, sm.max_b, BAR_MAX_B);  // O_right += P1 V1_right
+        store_p(sm.p[1]);
+        bar_arrive(BAR_P1, 256);
+        bar_sync(BAR_P0, 256);
+        wgmma(mma_pv_smem, peer_p(), peer_v(), acc_o, false);  // O_right += P0 V0_right
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        mbar_arrive(&sm.empty[1][1]);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        mbar_arrive(&sm.empty[0][1]);
+      }
+      finish_item(it, n_pairs);
     }
   }
-  // (warpgroup 0's last S was waited for inside the loop; the final wait<0> drained its P.V)
-
-  // row sums: over the quad, then over the two warpgroups; the sink joins the denominator only
-  CUTE_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 1);
-    run_sum[h] += __shfl_xor_sync(0xffffffff, run_sum[h], 2);
-  }
-  if (t % 4 == 0) {
-    sm.row_sum[wg][row0] = run_sum[0];
-    sm.row_sum[wg][row1] = run_sum[1];
-  }
-  bar_sync(BAR_SUM, 256);
-  float out_scale[2];
-  CUTE_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    const int r = h ? row1 : row0;
-    const float l = sm.row_sum[0][r] + sm.row_sum[1][r], s2 = sink2[h0 + r];
-    const float top = fmaxf(run_max[h], s2), a = exp2f(run_max[h] - top);
-    const float total = l * a + exp2f(s2 - top);
-    out_scale[h] = a / total;
-    if (wg == 1 && t % 4 == 0) lse2[((int64_t)b * seq + s_i) * heads + h0 + r] = top + log2f(total);
-  }
-  // O -> bf16 -> shared (Q's buffer, free now: every Q K^T has completed) -> global in 16-byte rows
-  bf16* stage = sm.q + wg * (BH * HALF);
-  Tensor coord_o = thr_pv_reg.partition_C(make_identity_tensor(Shape<_64, _256>{}));
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_o); i += 2) {
-    const int r = get<0>(coord_o(i)), col = get<1>(coord_o(i));
-    const float sc = out_scale[(i >> 1) & 1];
-    __nv_bfloat162 v = __floats2bfloat162_rn(acc_o(i) * sc, acc_o(i + 1) * sc);
-    *reinterpret_cast<__nv_bfloat162*>(stage + swz(r, col)) = v;
-  }
-  bar_sync(wg ? BAR_O1 : BAR_O0, 128);
-  store_staged_half(o + (((int64_t)b * seq + s_i) * heads + h0) * D + wg * HALF, stage, t);
 }
-"""
+""".replace("SMEM_IDX_OFFSET", str(_SMEM_FIXED - 1024))
 
 
 def _cutlass_include() -> str:
@@ -532,7 +625,7 @@ def cuda_forward_kernel(slots_padded: int) -> CudaKernel:
         kernel = _kernels.get(slots_padded)
         if kernel is None:
             cubin = compile_cubin(_SOURCE, [_cutlass_include()], arch="sm_90a", flags=_FLAGS)
-            kernel = CudaKernel(cubin, "csa2_sparse_attn_fwd_d512", _SMEM_FIXED + 4 * slots_padded)
+            kernel = CudaKernel(cubin, "csa2_sparse_attn_fwd_d512", _smem_bytes(slots_padded))
             _kernels[slots_padded] = kernel
         return kernel
 
@@ -563,6 +656,13 @@ def sparse_attention_forward_cuda(
     if b * s == 0:
         return o, lse2
     args = [q, kv, idxp, sink2.float().contiguous(), o, lse2, ctypes.c_int32(s), ctypes.c_int32(kv.shape[1]),
-            ctypes.c_int32(h), ctypes.c_int32(kp), ctypes.c_float(scale * LOG2E)]
-    cuda_forward_kernel(kp).launch((s * (h // HEADS_PER_CTA), b, 1), (384, 1, 1), args)
+            ctypes.c_int32(h), ctypes.c_int32(kp), ctypes.c_float(scale * LOG2E), ctypes.c_int32(b)]
+    cuda_forward_kernel(kp).launch(forward_grid(b, s, h, q.device), (384, 1, 1), args)
     return o, lse2
+
+
+def forward_grid(b: int, s: int, h: int, device: torch.device) -> tuple[int, int, int]:
+    """The persistent forward's grid: one CTA per multiprocessor, or one per item when there are fewer items
+    (an item is one query's 64 heads)."""
+    items = b * s * (h // HEADS_PER_CTA)
+    return (min(items, torch.cuda.get_device_properties(device).multi_processor_count), 1, 1)

@@ -54,21 +54,33 @@ _lock = threading.Lock()
 _SOURCE = HELPERS + r"""
 namespace csa2 {
 
+// The query's index row -> shared memory (all 384 threads), and 1 + its last slot holding a key (0: none) ->
+// *n_valid, a shared int that thread 0 zeroed before the kernel's first __syncthreads.
+__device__ __forceinline__ void load_index_row(const int* idx_row, int* dst, int slots, int* n_valid, int tid) {
+  int last = 0;
+  for (int i = tid; i < slots; i += 384) {
+    const int row = idx_row[i];
+    dst[i] = row;
+    if (row >= 0) last = i + 1;
+  }
+  __syncthreads();
+  if (last > 0) atomicMax(n_valid, last);
+  __syncthreads();
+}
+
+// A warpgroup's 64 x 256 bf16 half staged in shared memory (K-major, swizzled) -> 64 global rows of stride D from
+// dst, one 16-byte store per chunk (the accumulators' own layout would give 4-byte stores)
+__device__ __forceinline__ void store_staged_half(bf16* dst, const bf16* stage, int t) {
+  for (int u = t; u < BH * HALF / 8; u += 128) {
+    const int r = u / (HALF / 8), col = (u % (HALF / 8)) * 8;
+    *reinterpret_cast<uint4*>(dst + r * D + col) = *reinterpret_cast<const uint4*>(stage + swz(r, col));
+  }
+}
+
 // a 64 x 64 K-major tile (P, dS, or one 64-column tile of Q or dO) read as its transpose, the row index contiguous:
 // the operands of dS^T Q and P^T dO, whose contraction runs over the heads
 using LayoutPT = decltype(composition(LayoutP{}, make_layout(Shape<_64, _64>{}, Stride<_64, _1>{})));
 using MmaKV = decltype(make_tiled_mma(GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{}));
-
-// Four 32-bit words per lane of a quad, A[lane][k] -> A[k][lane] (two butterfly stages of two shuffles each): the
-// quad's words of four 8-column groups become one group's 16 contiguous bytes per lane
-__device__ __forceinline__ void quad_transpose(uint32_t& a0, uint32_t& a1, uint32_t& a2, uint32_t& a3, int lane) {
-  const bool hi2 = lane & 2, hi1 = lane & 1;
-  uint32_t r0 = __shfl_xor_sync(0xffffffff, hi2 ? a0 : a2, 2), r1 = __shfl_xor_sync(0xffffffff, hi2 ? a1 : a3, 2);
-  if (hi2) { a0 = r0; a1 = r1; } else { a2 = r0; a3 = r1; }
-  r0 = __shfl_xor_sync(0xffffffff, hi1 ? a0 : a1, 1);
-  r1 = __shfl_xor_sync(0xffffffff, hi1 ? a2 : a3, 1);
-  if (hi1) { a0 = r0; a2 = r1; } else { a1 = r0; a3 = r1; }
-}
 
 struct alignas(1024) SmemBwd {
   bf16 q[BH * D];     // Q as two 64 x 256 halves; warpgroup w stages its half of dQ in half w at the end

@@ -21,10 +21,13 @@ def test_usable_only_for_head_dim_512_on_a_gpu_and_not_when_told_otherwise(monke
 
 
 def test_slot_limit_follows_the_shared_memory_budget():
-    # the index row is staged in shared memory after 215104 fixed bytes, within Hopper's 227 KB
+    # the index row (4 bytes a slot) and two items' slot masks (2 bits) follow the fixed part, within Hopper's 227 KB
     assert sac.MAX_SLOTS % sac.SLOTS_PER_PAIR == 0
-    assert sac._SMEM_FIXED + 4 * sac.MAX_SLOTS <= 227 * 1024 < sac._SMEM_FIXED + 4 * (sac.MAX_SLOTS + 128)
+    assert sac._smem_bytes(sac.MAX_SLOTS) <= 227 * 1024 < sac._smem_bytes(sac.MAX_SLOTS + sac.SLOTS_PER_PAIR)
+    assert sac._smem_bytes(640) == sac._SMEM_FIXED + 640 * 4 + 2 * 640 // 8
     assert sac.MAX_SLOTS >= 128 + 2048  # a window plus a top-k of 2048 fits
+    # the kernel asserts (static_assert) that its layout starts the index row where the launcher's size assumes
+    assert f"offsetof(Smem, idx) == {sac._SMEM_FIXED - 1024}," in sac._SOURCE
     assert [sac.padded_slots(k) for k in (128, 192, 640, 641)] == [128, 256, 640, 768]
 
 

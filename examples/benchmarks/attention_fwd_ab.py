@@ -9,10 +9,11 @@ from separate runs (the forward varies by a few per cent between processes and m
     python examples/benchmarks/attention_fwd_ab.py [--baseline REV] [--variants FILE] [--ratios 1 2 4]
 
 ``--variants FILE``: a Python file that defines ``VARIANTS = {name: (cuda_source, persistent)}`` (it imports
-what it builds on, e.g. ``sparse_attention_cuda.HELPERS``).  A persistent variant takes one more
-argument (the batch size) and runs on min(items, multiprocessors) CTAs; the others on one CTA per (query,
-64 heads).  Before timing, every kernel is checked bit for bit against this tree's on small inputs with
-empty index rows, repeated rows, two batches, 128 heads and few CTAs (many items each).
+what it builds on, e.g. ``sparse_attention_cuda._SOURCE``).  A persistent kernel (this tree's, and any
+revision's whose kernel takes the batch size as its last argument) runs on min(items, multiprocessors) CTAs;
+the others (revisions before it) on one CTA per (query, 64 heads).  Before timing, every kernel is checked
+bit for bit against this tree's on small inputs with empty index rows, repeated rows, two batches, 128 heads
+and few CTAs (many items each).
 
 FLOP convention as attention.py: 4·b·s·h·k·d with k = 640 (empty slots included).
 """
@@ -49,7 +50,16 @@ def kernel_source_at(rev: str) -> str:
         return text[start : text.index('"""', start)]
 
     # later revisions keep the device helpers (shared with the backward) in HELPERS, prefixed to _SOURCE
-    return (raw_string("HELPERS") if "\nHELPERS = " in text else "") + raw_string("_SOURCE")
+    source = (raw_string("HELPERS") if "\nHELPERS = " in text else "") + raw_string("_SOURCE")
+    if "SMEM_IDX_OFFSET" in source:  # the persistent kernel asserts its layout against the launcher's constant
+        fixed = text[text.index("\n_SMEM_FIXED = ") + len("\n_SMEM_FIXED = ") :].split("\n", 1)[0]
+        source = source.replace("SMEM_IDX_OFFSET", str(eval(fixed) - 1024))  # a sum of integers
+    return source
+
+
+def is_persistent(source: str) -> bool:
+    """Whether a forward's source is the persistent kernel (its last argument: the batch size)."""
+    return "float c, int batch)" in source
 
 
 class Kernel:
@@ -68,8 +78,9 @@ class Kernel:
                 ctypes.c_int32(idx.shape[2]), ctypes.c_float(DIM**-0.5 * sac.LOG2E)]
         items = s * (h // sac.HEADS_PER_CTA) * b
         if self.persistent:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            grid, args = (min(items, ctas or sms), 1, 1), args + [ctypes.c_int32(b)]
+            grid, args = sac.forward_grid(b, s, h, q.device), args + [ctypes.c_int32(b)]
+            if ctas:
+                grid = (min(items, ctas), 1, 1)
         else:
             grid = (s * (h // sac.HEADS_PER_CTA), b, 1)
         return o, lse2, lambda: self.kernel.launch(grid, (384, 1, 1), args)
@@ -101,9 +112,10 @@ def main():
     args = ap.parse_args()
     if not (args.baseline or args.variants):
         ap.error("give --baseline REV and/or --variants FILE")
-    sources = {"this tree": (sac._SOURCE, False)}
+    sources = {"this tree": (sac._SOURCE, True)}
     if args.baseline:
-        sources[f"baseline {args.baseline}"] = (kernel_source_at(args.baseline), False)
+        source = kernel_source_at(args.baseline)
+        sources[f"baseline {args.baseline}"] = (source, is_persistent(source))
     if args.variants:
         scope = {}
         exec(args.variants.read_text(), scope)

@@ -309,7 +309,8 @@ def _lse2_torch(q, kv, sink, idx, scale):
     [
         pytest.param(2, 256, 128, 300, 256, 0.3, id="b2_h128_k256_empty30"),
         pytest.param(1, 200, 64, 150, 192, 0.5, id="k192_padded_to_256"),  # odd number of 64-slot blocks
-        pytest.param(1, 130, 64, 5000, 640, 0.0, id="k640_full"),
+        pytest.param(1, 130, 64, 5000, 640, 0.0, id="k640_full"),  # fewer items than multiprocessors
+        pytest.param(1, 24, 64, 5000, 3840, 0.2, id="k3840_max_slots"),  # the largest index row shared memory takes
     ],
 )
 @pytest.mark.gpu
@@ -381,6 +382,36 @@ def test_backend_forward_uses_cuda_at_d512_unless_told_otherwise(monkeypatch):
     assert rel_err(out_cuda, out_tl) < 5e-3
     kernel = sparse_attention_cuda.cuda_forward_kernel(256)
     assert kernel.local_bytes() == 0, "the CUDA forward spills registers"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fwd_usable(), reason=REASON or "the CUDA forward needs a Hopper GPU")
+def test_cuda_forward_gives_the_same_bits_on_any_number_of_ctas(monkeypatch):
+    # the forward is persistent: CTA x computes items x, x + CTAs, ... while its producer loads the next item's index
+    # row and Q ahead.  An item's result must not depend on the CTA that computes it or on the items before it
+    # there: index rows of every length (queries without keys, a single block, repeated rows), two batches, 128 heads
+    from deepseek_v41 import sparse_attention_cuda as sac
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    b, s, h, n, k, d = 2, 67, 128, 400, 384, 512
+    q = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(b, n, d, device="cuda", generator=gen).bfloat16()
+    sink2 = torch.randn(h, device="cuda", generator=gen)
+    rows = torch.randint(0, n, (b, s, k), device="cuda", generator=gen, dtype=torch.int32)
+    lengths = torch.randint(0, k + 1, (b, s, 1), device="cuda", generator=gen)
+    lengths[:, ::7] = 0
+    lengths[:, 3::7] = 64
+    idx = torch.where(torch.arange(k, device="cuda") < lengths, rows, -1).int()
+    idx[:, 2::5, :64] = idx[:, 2::5, :1]  # one row repeated over a block
+    runs = []
+    for ctas in (None, 1, 3, 7, 1000):
+        if ctas is not None:
+            monkeypatch.setattr(sac, "forward_grid", lambda b, s, h, device, c=ctas: (min(c, b * s * h // 64), 1, 1))
+        runs.append(sac.sparse_attention_forward_cuda(q, kv, idx, sink2, d**-0.5))
+    o_ref = sparse_attention_torch(q.float(), kv.float(), sink2 / kt.LOG2E, idx, d**-0.5)
+    assert rel_err(runs[0][0], o_ref) < 1e-2
+    for o, lse2 in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse2, runs[0][1])
 
 
 # ---- the CUDA backward's slot kernel (head dim 512 on Hopper) ----

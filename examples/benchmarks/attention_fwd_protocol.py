@@ -1,13 +1,16 @@
-"""A randomised interleaving model of the persistent forward's synchronisation (attention_fwd_ramp.py).
+"""A randomised interleaving model of the CUDA sparse-attention forward's synchronisation (the persistent kernel
+in deepseek_v41/sparse_attention_cuda.py).
 
-    python examples/benchmarks/variants/attention_fwd_ramp_protocol.py [--schedules 3000]
+    python examples/benchmarks/attention_fwd_protocol.py [--schedules 3000]
 
 The producer and the two math warpgroups are generators that follow the kernel's order of mbarrier waits and
 arrivals, named-barrier arrivals and syncs, and shared-memory writes and reads (one step per warpgroup: its
 128 threads act together).  A scheduler runs them in a random interleaving; a schedule fails when no actor can
 move (deadlock), a warpgroup joins a named barrier twice in one generation, or a read finds another item's or
-pair's data: Q, each kv half (at a wgmma's issue and again where it is waited for), the index row, the output
-row, the exchanged maxima, P and the row sums.  Items have 0-5 pairs (0: a query without keys).
+pair's data: Q, each kv half (at a wgmma's issue and again where it is waited for), the index row (read by the
+producer's gathers), the slot masks (read by the math), the output row, the exchanged maxima, P and the row sums.
+Items have 0-5 pairs (0: a query without keys).  The producer's own named barrier around its index-row load (its
+four warps) is not modelled: the producer is one actor here.
 """
 
 import argparse
@@ -59,7 +62,7 @@ def schedule(pairs: list[int], seed: int) -> str | None:
             bar["ready", i, h], bar["empty", i, h] = MBarrier(1), MBarrier(1)
         bar["idx_ready", i], bar["idx_free", i] = MBarrier(1), MBarrier(2)
     named = {name: NamedBarrier() for name in ("MAX_A", "MAX_B", "P0", "P1", "SUM")}
-    smem = {"q": None, "k": {}, "idx": [None, None], "row": [None, None], "max_a": None, "max_b": None,
+    smem = {"q": None, "k": {}, "idx": None, "masks": [None, None], "row": [None, None], "max_a": None, "max_b": None,
             "p": [None, None], "row_sum": {}}
 
     def wait(key, parity):
@@ -82,7 +85,7 @@ def schedule(pairs: list[int], seed: int) -> str | None:
 
         def load_idx(it):
             yield from wait(("idx_free", it & 1), ((it >> 1) & 1) ^ 1)
-            smem["idx"][it & 1] = smem["row"][it & 1] = it
+            smem["idx"] = smem["masks"][it & 1] = smem["row"][it & 1] = it
             bar["idx_ready", it & 1].arrive()
             yield "step"
 
@@ -91,10 +94,10 @@ def schedule(pairs: list[int], seed: int) -> str | None:
             yield from wait("q_free", (it & 1) ^ 1)
             smem["q"] = it
             bar["q_ready"].arrive()
-            assert smem["idx"][it & 1] == it
             for p in range(pairs[it]):
                 for buf, half in ((0, 0), (1, 1), (0, 1), (1, 0)):  # the kernel's fill order
                     yield from wait(("empty", buf, half), (filled & 1) ^ 1)
+                    assert smem["idx"] == it, ("index row", it, smem["idx"])
                     smem["k"][buf, half] = (it, 2 * p + buf)
                     bar["ready", buf, half].arrive()
                 filled += 1
@@ -123,7 +126,7 @@ def schedule(pairs: list[int], seed: int) -> str | None:
                 if n_pairs <= 1:
                     bar["q_free"].arrive()
                 for p in range(n_pairs):
-                    assert smem["idx"][it & 1] == it
+                    assert smem["masks"][it & 1] == it
                     smem["max_a"] = (it, p)
                     yield from bar_arrive("MAX_A", 0)
                     kv(it, p, 0, 0)  # own P V, issued
@@ -155,7 +158,7 @@ def schedule(pairs: list[int], seed: int) -> str | None:
                     yield from qk(it, p, 0)
                     if p + 1 == n_pairs:
                         bar["q_free"].arrive()
-                    assert smem["idx"][it & 1] == it
+                    assert smem["masks"][it & 1] == it
                     yield from bar_sync("MAX_A", 1)
                     assert smem["max_a"] == (it, p)
                     smem["max_b"] = (it, p)
