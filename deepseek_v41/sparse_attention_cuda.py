@@ -8,8 +8,8 @@ base-2 log-sum-exp ``lse2`` that the TileLang backward reuses.
 
 Why CUDA: every per-warpgroup structure tried in TileLang was slower than its cooperative kernel
 (``examples/benchmarks/results/attention_h200.txt``), which is bound by Q·Kᵀ split as two 64×32 tiles
-(shared-memory bound) and by a softmax that both warpgroups wait for.  Here one CTA handles 64 heads of one
-query with three warpgroups:
+(shared-memory bound) and by a softmax that both warpgroups wait for.  Here an item is 64 heads of one query, and
+a CTA of three warpgroups computes its items one after the other:
 
 * warpgroup 2 gathers the selected kv rows with cp.async, two 64-slot blocks at a time (one per math
   warpgroup), each block in two 256-column halves with their own ready / empty mbarriers;
@@ -19,19 +19,27 @@ query with three warpgroups:
   warpgroup 0 rescales its P once the pair's maximum is known;
 * warpgroup 0 issues the next pair's Q·Kᵀ while its last P·V of the pair runs.
 
-A query runs the pairs up to its last key only: a pair of empty slots adds nothing (P = 0, the running max
-unchanged), so skipping the trailing ones (queries that see fewer compressed entries than top-k) changes no bit.
-CTAs take the queries last first, so the short CTAs of the first queries fill the final wave.
+The kernel is persistent: one CTA per multiprocessor takes items x, x + CTAs, ... (the last query first, so the
+short items of the first queries come last), and the producer runs ahead across items. While the math warpgroups
+finish an item, it loads the next item's index row (which only the producer reads) and, into the second of two
+buffers, its 64-slot blocks' masks of filled slots and its last key; the next Q as soon as both warpgroups' last
+Q·Kᵀ of the item has completed, and the next item's first kv pair as soon as the last pair frees its buffers. O
+goes from the accumulators to global memory as 16-byte rows after a quad shuffle-transpose. A kernel per item paid
+its pipeline's ramp (index row, Q, first gather) at every item: ~7 µs of the ~27 µs an item took at 640 slots. The
+synchronisation was checked before any GPU run with a randomised interleaving model
+(``examples/benchmarks/attention_fwd_protocol.py``).
 
-H200, V4.1 shape (s 4096, 64 heads, 640 slots; FLOP counted over all 640 slots): 0.756-0.768 ms, 446-455
-TFLOP/s at ratio 1, 0.731-0.769 ms at ratio 2 and 0.714-0.732 at ratio 4 (481 TFLOP/s), against 0.79-0.81,
-0.77-0.81 and 0.76-0.77 ms for the kernel before P went through stmatrix, in one process, bit-identical
-(``attention_fwd_ab.py``, two leases; ``examples/benchmarks/results/attention_h200.txt``); before that,
-in one process against the kernel before the skip (0.82-0.83 ms at every ratio): 0.81-0.83 ms at ratio 1,
-0.78-0.79 at ratio 2, 0.73-0.74 at ratio 4 (464-468 TFLOP/s), bit-identical outputs (``attention_fwd_ab.py``),
-and 1.27-1.33x the TileLang forward (``attention.py --kernels``).  About 2 µs per 64-slot block and
-multiprocessor, plus ~7 µs per CTA for the pipeline's ramp at each query (a persistent version did not remove
-it: ``results/attention_h200.txt``); at 2048+ slots it runs at 510-530 TFLOP/s.
+An item runs the pairs up to its last key only: a pair of empty slots adds nothing (P = 0, the running max
+unchanged), so skipping the trailing ones (queries that see fewer compressed entries than top-k) changes no bit.
+
+H200 (da00b1b's tree, 2026-12-02), V4.1 shape (s 4096, 64 heads, 640 slots; FLOP counted over all 640 slots), in
+one process with the kernel of one CTA per item (e1c53b4), bit-identical outputs (``attention_fwd_ab.py``):
+0.698-0.711 ms, 492 TFLOP/s at ratio 1 (1.09x), 0.691-0.696 ms, 497 at ratio 2, 0.635-0.643 ms, 541 at ratio 4;
+1.43x the TileLang forward (``attention.py --kernels``). What is left is the pair loop itself, ~2.3 µs per 64-slot
+block and multiprocessor. Registers: 224 per math thread, 56 for the producer (232 / 40 measured the same within
+one per cent; a split above the launch's 384 × 168 never completes its setmaxnreg and hangs:
+``examples/benchmarks/variants/attention_fwd_registers.py``). Shared memory: the buffers (214,704 bytes), then the
+index row and two items' slot masks (4¼ bytes a slot), so up to 3,840 slots.
 
 The design follows the public description of DeepSeek's FlashMLA sparse prefill kernel; the code is ours
 (CuTe from the CUTLASS headers that TileLang ships, compiled with nvcc on first use by ``cuda_module``).

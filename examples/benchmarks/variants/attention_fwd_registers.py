@@ -15,7 +15,8 @@ assert _SOURCE.count(MATH) == 1 and _SOURCE.count(PRODUCER) == 1, "the tree's sp
 
 def split(math: int, producer: int) -> str:
     assert 256 * math + 128 * producer <= 384 * 168, f"{math}/{producer} exceeds the CTA's registers"
-    return _SOURCE.replace(MATH, MATH.replace("224", str(math))).replace(PRODUCER, PRODUCER.replace("56", str(producer)))
+    source = _SOURCE.replace(MATH, MATH.replace("224", str(math)))
+    return source.replace(PRODUCER, PRODUCER.replace("56", str(producer)))
 
 
 VARIANTS = {"math 232 / producer 40": (split(232, 40), True)}
