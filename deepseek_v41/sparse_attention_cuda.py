@@ -224,7 +224,7 @@ struct alignas(1024) Smem {
 // the launch's shared-memory size (_SMEM_FIXED, MAX_SLOTS) is computed from this offset
 static_assert(offsetof(Smem, idx) == SMEM_IDX_OFFSET, "update _SMEM_FIXED in sparse_attention_cuda.py");
 
-// named barriers between the two math warpgroups (0 is __syncthreads)
+// named barriers (0 is __syncthreads): the producer warpgroup's own, then those between the two math warpgroups
 enum : int { BAR_PRODUCER = 1, BAR_MAX_A = 2, BAR_MAX_B = 3, BAR_P0 = 4, BAR_P1 = 5, BAR_SUM = 6 };
 
 }  // namespace csa2
