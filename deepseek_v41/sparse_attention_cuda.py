@@ -34,11 +34,12 @@ unchanged), so skipping the trailing ones (queries that see fewer compressed ent
 
 H200 (da00b1b's tree, 2026-12-02), V4.1 shape (s 4096, 64 heads, 640 slots; FLOP counted over all 640 slots), in
 one process with the kernel of one CTA per item (e1c53b4), bit-identical outputs (``attention_fwd_ab.py``):
-0.698-0.711 ms, 492 TFLOP/s at ratio 1 (1.09x), 0.691-0.696 ms, 497 at ratio 2, 0.635-0.643 ms, 541 at ratio 4;
-1.43x the TileLang forward (``attention.py --kernels``). What is left is the pair loop itself, ~2.3 µs per 64-slot
-block and multiprocessor. Registers: 224 per math thread, 56 for the producer (232 / 40 measured the same within
-one per cent; a split above the launch's 384 × 168 never completes its setmaxnreg and hangs:
-``examples/benchmarks/variants/attention_fwd_registers.py``). Shared memory: the buffers (214,704 bytes), then the
+0.698-0.711 ms, 492 TFLOP/s at ratio 1 (1.09x), 0.691-0.696 ms, 497 at ratio 2, 0.635-0.643 ms, 541 at ratio 4 (on
+a later lease 0.671-0.735 ms, 467-512 TFLOP/s, at ratio 1); 1.43x the TileLang forward (``attention.py
+--kernels``). What is left is the pair loop itself, ~2.3 µs per 64-slot block and multiprocessor. Registers: 224
+per math thread, 56 for the producer (232 / 40, and the L2 prefetch hint at 256 bytes or none, measured the same
+within the noise; a split above the launch's 384 × 168 never completes its setmaxnreg and hangs:
+``examples/benchmarks/variants/attention_fwd_tuning.py``). Shared memory: the buffers (214,704 bytes), then the
 index row and two items' slot masks (4¼ bytes a slot), so up to 3,840 slots.
 
 The design follows the public description of DeepSeek's FlashMLA sparse prefill kernel; the code is ours
