@@ -72,7 +72,8 @@ def _smem_bytes(slots: int) -> int:
     return _SMEM_FIXED + 4 * slots + slots // 4
 
 
-MAX_SLOTS = (_SMEM_MAX - _SMEM_FIXED) * 4 // 17 // SLOTS_PER_PAIR * SLOTS_PER_PAIR
+# the most whole pairs of blocks whose index row and masks still fit
+MAX_SLOTS = max(k for k in range(0, _SMEM_MAX, SLOTS_PER_PAIR) if _smem_bytes(k) <= _SMEM_MAX)
 _FLAGS: tuple[str, ...] = ()  # cuda_module compiles with -O3 -DNDEBUG --expt-relaxed-constexpr
 
 _kernels: dict = {}
