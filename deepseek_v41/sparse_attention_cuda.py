@@ -12,7 +12,8 @@ Why CUDA: every per-warpgroup structure tried in TileLang was slower than its co
 a CTA of three warpgroups computes its items one after the other:
 
 * warpgroup 2 gathers the selected kv rows with cp.async, two 64-slot blocks at a time (one per math
-  warpgroup), each block in two 256-column halves with their own ready / empty mbarriers;
+  warpgroup), each block in two 256-column halves with their own empty mbarriers, and a ready mbarrier per
+  64-column tile, so Q·Kᵀ starts on a half's first tile while the rest is in flight;
 * warpgroup w computes S = Q·Kᵀ of its block as a 64×64 tile, the softmax of it, and O's half w
   (256 columns) for both blocks: P·V of its own block with P in registers, of the peer's block with the
   peer's P from shared memory.  Row maxima go through shared memory (warpgroup 0 first, then 1), so
@@ -32,15 +33,18 @@ synchronisation was checked before any GPU run with a randomised interleaving mo
 An item runs the pairs up to its last key only: a pair of empty slots adds nothing (P = 0, the running max
 unchanged), so skipping the trailing ones (queries that see fewer compressed entries than top-k) changes no bit.
 
-H200 (da00b1b's tree, 2026-12-02), V4.1 shape (s 4096, 64 heads, 640 slots; FLOP counted over all 640 slots), in
-one process with the kernel of one CTA per item (e1c53b4), bit-identical outputs (``attention_fwd_ab.py``):
-0.698-0.711 ms, 492 TFLOP/s at ratio 1 (1.09x), 0.691-0.696 ms, 497 at ratio 2, 0.635-0.643 ms, 541 at ratio 4 (on
-a later lease 0.671-0.735 ms, 467-512 TFLOP/s, at ratio 1); 1.43x the TileLang forward (``attention.py
---kernels``). What is left is the pair loop itself, ~2.3 µs per 64-slot block and multiprocessor. Registers: 224
-per math thread, 56 for the producer (232 / 40, and the L2 prefetch hint at 256 bytes or none, measured the same
-within the noise; a split above the launch's 384 × 168 never completes its setmaxnreg and hangs:
-``examples/benchmarks/variants/attention_fwd_tuning.py``). Shared memory: the buffers (214,704 bytes), then the
-index row and two items' slot masks (4¼ bytes a slot), so up to 3,840 slots.
+H200 (this kernel, 2026-12-03), V4.1 shape (s 4096, 64 heads, 640 slots; FLOP counted over all 640 slots), in one
+process with the kernel whose gathers land a half at a time (4c5357e), bit-identical outputs (``attention_fwd_ab.py``,
+ten rounds on two leases): at ratio 1 0.657-0.713 ms, mean 0.686 ms, 501 TFLOP/s (best rounds 523 and 518),
+2.3-5.0 % faster than 4c5357e in every round; at ratio 2 the same within the noise (0.674-0.700 ms); at ratio 4
+0-2 % faster (0.621-0.636 ms, up to 553).  1.47x the TileLang forward, 67 % of its gather-only probe's speed
+(``attention.py --kernels --bounds``); the persistent kernel had been 1.09x the one of one CTA per item (e1c53b4).
+What is left is the pair loop itself, ~2.3 µs per 64-slot block and multiprocessor, whose next Q·Kᵀ waits for
+the halves freed by the pair's last P·V to refill from L2 (the gathers alone take 67 % of the kernel's time).
+Registers: 224 per math thread, 56 for the producer (232 / 40, and the L2 prefetch hint
+at 256 bytes or none, measured the same within the noise; a split above the launch's 384 × 168 never completes its
+setmaxnreg and hangs: ``examples/benchmarks/variants/attention_fwd_tuning.py``). Shared memory: the buffers
+(214,800 bytes), then the index row and two items' slot masks (4¼ bytes a slot), so up to 3,840 slots.
 
 The design follows the public description of DeepSeek's FlashMLA sparse prefill kernel; the code is ours
 (CuTe from the CUTLASS headers that TileLang ships, compiled with nvcc on first use by ``cuda_module``).
@@ -61,10 +65,10 @@ HEAD_DIM = 512
 HEADS_PER_CTA = 64
 SLOTS_PER_PAIR = 128  # two 64-slot blocks, one per math warpgroup: idx is padded to a multiple with empty slots
 # shared memory before the index row: Q 64·512·2 + K 2·64·512·2 + P 2·64·64·2 + maxima 2·64·4 + two items' row sums
-# 2·2·64·4 + 14 mbarriers + two items' output rows, first heads and last keys + the CTA's item count, padded to 16
+# 2·2·64·4 + 26 mbarriers + two items' output rows, first heads and last keys + the CTA's item count, padded to 16
 # bytes = offsetof(Smem, idx), which the kernel asserts; 1 KB more lets it align its buffers to 1024 bytes (the
 # swizzle is on address bits).  Per slot: the index row (4 bytes) and two items' slot masks (2 bits)
-_SMEM_FIXED = 65536 + 131072 + 16384 + 512 + 1024 + 112 + 16 + 8 + 32 + 4 + 4 + 1024
+_SMEM_FIXED = 65536 + 131072 + 16384 + 512 + 1024 + 208 + 16 + 8 + 32 + 4 + 4 + 1024
 _SMEM_MAX = 227 * 1024  # Hopper's per-block opt-in limit
 
 
@@ -169,17 +173,26 @@ __device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& c,
 }
 
 // One half (256 latent columns) of the kv rows of index block blk -> a K-major 128-byte-swizzled 64 x 256 buffer,
-// by cp.async: producer thread (g = t / 8, j = t % 8) copies 16-byte chunk j of each 128-byte tile row of rows g,
-// g + 16, g + 32, g + 48; an empty slot (-1) fills zeros.  kv_b: the batch's kv plus 8 j columns; idx: the index
-// row in shared memory (indexed here, not offset by the caller: ptxas then emits the same code as inline)
+// by cp.async, one 64-column tile after the other, calling tile_done(tile) after each tile's copies (the forward
+// arrives on the tile's barrier, so Q K^T starts on the first tile that lands): producer thread (g = t / 8, j = t % 8)
+// copies 16-byte chunk j of each 128-byte tile row of rows g, g + 16, g + 32, g + 48; an empty slot (-1) fills
+// zeros.  kv_b: the batch's kv plus 8 j columns; idx: the index row in shared memory
+template <class TileDone>
 __device__ __forceinline__ void gather_half(bf16* dst, const bf16* kv_b, const int* idx, int blk, int g, int j,
-                                            int half) {
+                                            int half, TileDone tile_done) {
+  const bf16* src[4];
+  bool valid[4];
   CUTE_UNROLL
   for (int i = 0; i < 4; ++i) {
-    const int r = g + 16 * i, row = idx[blk * BK + r];
-    const bf16* src = kv_b + (int64_t)max(row, 0) * D + half * HALF;
+    const int row = idx[blk * BK + g + 16 * i];
+    src[i] = kv_b + (int64_t)max(row, 0) * D + half * HALF;
+    valid[i] = row >= 0;
+  }
+  CUTE_UNROLL
+  for (int tile = 0; tile < 4; ++tile) {
     CUTE_UNROLL
-    for (int tile = 0; tile < 4; ++tile) cp_async16(dst + swz(r, tile * 64 + j * 8), src + tile * 64, row >= 0);
+    for (int i = 0; i < 4; ++i) cp_async16(dst + swz(g + 16 * i, tile * 64 + j * 8), src[i] + tile * 64, valid[i]);
+    tile_done(tile);
   }
 }
 
@@ -208,7 +221,7 @@ struct alignas(1024) Smem {
   float max_b[BH];     // row max after both blocks, for warpgroup 0
   float row_sum[2][2][BH];  // [item % 2][warpgroup]: partial row sums (an item without keys skips every barrier
                            // but BAR_SUM, so a warpgroup may write the next item's sums while the peer reads)
-  uint64_t ready[2][2];  // [block of the pair][half]: the gather landed
+  uint64_t ready[2][2][4];  // [block of the pair][half][64-column tile]: the gather landed
   uint64_t empty[2][2];  // [block][half]: every reader is done, the producer may refill
   uint64_t q_ready;      // the item's Q landed
   uint64_t q_free;       // both math warpgroups' last Q K^T of the item completed: the next Q may land
@@ -261,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   if (tid == 0) {
     for (int i = 0; i < 2; ++i) {
       for (int h = 0; h < 2; ++h) {
-        mbar_init(&sm.ready[i][h], 128);
+        for (int tile = 0; tile < 4; ++tile) mbar_init(&sm.ready[i][h][tile], 128);
         mbar_init(&sm.empty[i][h], 128);
       }
       mbar_init(&sm.idx_ready[i], 128);
@@ -319,8 +332,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       item(it, b, s_i, h0);
       const bf16* kv_b = kv + (int64_t)b * n_kv * D + j * 8;
       auto fill = [&](int blk, int buf, int half) __attribute__((always_inline)) {
-        gather_half(sm.k[buf] + half * (BK * HALF), kv_b, sm.idx, blk, g, j, half);
-        cp_async_arrive(&sm.ready[buf][half]);
+        gather_half(sm.k[buf] + half * (BK * HALF), kv_b, sm.idx, blk, g, j, half,
+                    [&](int tile) __attribute__((always_inline)) { cp_async_arrive(&sm.ready[buf][half][tile]); });
       };
       // Q of the item, swizzled, once the previous item's last Q K^T has completed
       mbar_wait(&sm.q_free, (it & 1) ^ 1);
@@ -368,14 +381,23 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   // the current item (bits 1..) and the ready / empty phase of its first pair (bit 0: pairs so far, mod 2)
   uint32_t it_phase = 0;
 
-  // acc_s (+)= Q_half K_half^T for this warpgroup's block of pair p, once the producer has landed that half
+  // acc_s (+)= Q_half K_half^T for this warpgroup's block of pair p, each 64-column tile (4 k-steps) as soon as the
+  // producer has landed it
   auto qk_half = [&](int p, int half, bool zero) __attribute__((always_inline)) {
-    mbar_wait(&sm.ready[wg][half], (it_phase + p) & 1);
     Tensor tQ = thr_qk.partition_fragment_A(smem_tensor(sm.q + half * (BH * HALF), LayoutHalf{}));
     Tensor tK = thr_qk.partition_fragment_B(smem_tensor(sm.k[wg] + half * (BK * HALF), LayoutHalf{}));
     // no operand fence on acc_s here: inside an open wgmma stage a fence counts as a write, and the compiler
     // then serialises every wgmma; the first k-step of a block zeroes acc_s
-    wgmma(mma_qk, tQ, tK, acc_s, zero);
+    CUTE_UNROLL
+    for (int tile = 0; tile < 4; ++tile) {
+      mbar_wait(&sm.ready[wg][half][tile], (it_phase + p) & 1);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 4 * tile; k < 4 * tile + 4; ++k) {
+        mma_qk.accumulate_ = (zero && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+        cute::gemm(mma_qk, tQ(_, _, k), tK(_, _, k), acc_s);
+      }
+    }
     warpgroup_commit_batch();
   };
   // V^T operands: this warpgroup's O columns of its own block and of the peer's block; the peer's P

@@ -146,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       CUTE_UNROLL
       for (int half = 0; half < 2; ++half) {
         mbar_wait(&sm.empty[half], (blk & 1) ^ 1);  // a fresh barrier passes the wait on parity 1
-        gather_half(sm.k + half * (BK * HALF), kv_b, sm.idx, blk, g, j, half);
+        gather_half(sm.k + half * (BK * HALF), kv_b, sm.idx, blk, g, j, half, [](int) {});
         cp_async_arrive(&sm.ready[half]);
       }
     }

@@ -7,7 +7,7 @@ The producer and the two math warpgroups are generators that follow the kernel's
 arrivals, named-barrier arrivals and syncs, and shared-memory writes and reads (one step per warpgroup: its
 128 threads act together).  A scheduler runs them in a random interleaving; a schedule fails when no actor can
 move (deadlock), a warpgroup joins a named barrier twice in one generation, or a read finds another item's or
-pair's data: Q, each kv half (at a wgmma's issue and again where it is waited for), the index row (read by the
+pair's data: Q, each kv half (each 64-column tile at its wgmma's issue, the half again where it is waited for), the index row (read by the
 producer's gathers), the slot masks (read by the math), the output row, the exchanged maxima, P and the row sums.
 Items have 0-5 pairs (0: a query without keys).  The producer's own named barrier around its index-row load (its
 four warps) is not modelled: the producer is one actor here.
@@ -59,7 +59,9 @@ def schedule(pairs: list[int], seed: int) -> str | None:
     bar = {"q_ready": MBarrier(1), "q_free": MBarrier(2)}  # counts in warpgroups (128 threads each)
     for i in range(2):
         for h in range(2):
-            bar["ready", i, h], bar["empty", i, h] = MBarrier(1), MBarrier(1)
+            bar["empty", i, h] = MBarrier(1)
+            for tile in range(4):
+                bar["ready", i, h, tile] = MBarrier(1)
         bar["idx_ready", i], bar["idx_free", i] = MBarrier(1), MBarrier(2)
     named = {name: NamedBarrier() for name in ("MAX_A", "MAX_B", "P0", "P1", "SUM")}
     smem = {"q": None, "k": {}, "idx": None, "masks": [None, None], "row": [None, None], "max_a": None, "max_b": None,
@@ -97,9 +99,11 @@ def schedule(pairs: list[int], seed: int) -> str | None:
             for p in range(pairs[it]):
                 for buf, half in ((0, 0), (1, 1), (0, 1), (1, 0)):  # the kernel's fill order
                     yield from wait(("empty", buf, half), (filled & 1) ^ 1)
-                    assert smem["idx"] == it, ("index row", it, smem["idx"])
-                    smem["k"][buf, half] = (it, 2 * p + buf)
-                    bar["ready", buf, half].arrive()
+                    for tile in range(4):  # each 64-column tile lands on its own barrier
+                        assert smem["idx"] == it, ("index row", it, smem["idx"])
+                        smem["k"][buf, half, tile] = (it, 2 * p + buf)
+                        bar["ready", buf, half, tile].arrive()
+                        yield "step"
                 filled += 1
             if it + 1 < n:
                 yield from load_idx(it + 1)
@@ -107,13 +111,15 @@ def schedule(pairs: list[int], seed: int) -> str | None:
     def math(wg):
         it_phase = 0  # item << 1 | phase of the item's first pair
 
-        def kv(it, p, buf, half):  # a read of kv half (buf, half) for pair p of item it
-            assert smem["k"].get((buf, half)) == (it, 2 * p + buf), ("kv", wg, it, p, buf, half, smem["k"])
+        def kv(it, p, buf, half, tiles=range(4)):  # a read of kv half (buf, half) for pair p of item it
+            for tile in tiles:
+                assert smem["k"].get((buf, half, tile)) == (it, 2 * p + buf), ("kv", wg, it, p, buf, half, tile)
 
-        def qk(it, p, half):  # S of this warpgroup's block of pair p, one half
-            yield from wait(("ready", wg, half), (it_phase + p) & 1)
-            assert smem["q"] == it, ("Q", wg, it, smem["q"])
-            kv(it, p, wg, half)
+        def qk(it, p, half):  # S of this warpgroup's block of pair p, one half: each tile once it has landed
+            for tile in range(4):
+                yield from wait(("ready", wg, half, tile), (it_phase + p) & 1)
+                assert smem["q"] == it, ("Q", wg, it, smem["q"])
+                kv(it, p, wg, half, [tile])
 
         for it in range(n):
             yield from wait(("idx_ready", it & 1), (it >> 1) & 1)
