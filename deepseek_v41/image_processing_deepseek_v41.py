@@ -165,11 +165,12 @@ class DeepseekV41ImageProcessor(PilBackend):
     def _prepare_images_structure(self, images, expected_ndims=3):
         return super()._prepare_images_structure(open_image_source(images), expected_ndims=expected_ndims)
 
-    def convert_to_rgb(self, image, input_data_format=None):
-        # PIL's own conversion, as the official loader (RGBA drops alpha, L/P expand), see rgb_image. Arrays: base class.
+    def convert_to_rgb(self, image, **kwargs):
+        # PIL's own conversion, as the official loader (RGBA drops alpha, L/P expand), see rgb_image. Arrays: base class
+        # (kwargs: input_data_format, which transformers passes from 5.2x on and 5.17 neither passes nor accepts)
         if isinstance(image, Image.Image):
             return np.array(rgb_image(image))
-        return super().convert_to_rgb(image, input_data_format=input_data_format)
+        return super().convert_to_rgb(image, **kwargs)
 
     def vit_grid(self, height, width, **overrides):
         """ViT patch grid ``(n_vit_h, n_vit_w)`` of an image of this size (``overrides``: config fields)."""

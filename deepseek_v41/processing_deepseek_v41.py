@@ -23,9 +23,13 @@ import os
 from pathlib import Path
 from typing import ClassVar
 
-from transformers import AutoImageProcessor, AutoProcessor
+from transformers import AutoProcessor
 from transformers.image_processing_utils import BatchFeature
 from transformers.image_utils import make_flat_list_of_images
+
+# from its module: `transformers.AutoImageProcessor` is a placeholder that raises without torchvision in some 5.x
+# releases (5.17 among them), and this image processor needs only PIL
+from transformers.models.auto.image_processing_auto import AutoImageProcessor
 from transformers.processing_utils import MultiModalData, ProcessingKwargs, ProcessorMixin, Unpack
 
 from .configuration_deepseek_v41 import DeepseekV41Config
@@ -97,8 +101,14 @@ CHAT_TEMPLATE = (
 )
 
 
+# batches are padded to the longest row unless padding=False
+TEXT_DEFAULTS = {"padding": True}
+
+
 class DeepseekV41ProcessorKwargs(ProcessingKwargs, total=False):
     images_kwargs: DeepseekV41ImageProcessorKwargs
+    # where transformers 5.17 looks for defaults (later releases read the processor's class attributes first)
+    _defaults = {"text_kwargs": TEXT_DEFAULTS}  # noqa: RUF012
 
 
 class DeepseekV41Processor(ProcessorMixin):
@@ -110,8 +120,7 @@ class DeepseekV41Processor(ProcessorMixin):
     consumed in order of their placeholders, row by row."""
 
     valid_processor_kwargs = DeepseekV41ProcessorKwargs
-    # batches are padded to the longest row unless padding=False
-    text_kwargs: ClassVar[dict] = {"padding": True}
+    text_kwargs: ClassVar[dict] = TEXT_DEFAULTS
     image_token = IMAGE_PLACEHOLDER
 
     def __init__(

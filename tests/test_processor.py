@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -315,6 +316,25 @@ def test_save_reload_with_trust_remote_code_in_fresh_process(processor, saved, t
     remote = torch.load(folder / "remote_out.pt")
     assert remote.pop("chat") == processor.apply_chat_template(CONVERSATION, thinking=True)
     _assert_same(remote, _run(processor, images))
+
+
+def test_package_never_takes_auto_image_processor_from_the_transformers_namespace():
+    # transformers 5.17 without torchvision exports a placeholder as `transformers.AutoImageProcessor` that
+    # raises on any use, so `import deepseek_v41` (which registers the PIL-only image processor) failed there;
+    # the class comes from transformers.models.auto.image_processing_auto instead (the suite passes on 5.17)
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "deepseek_v41"
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            from_top = isinstance(node, ast.ImportFrom) and node.module == "transformers" and any(
+                alias.name == "AutoImageProcessor" for alias in node.names)
+            attribute = (isinstance(node, ast.Attribute) and node.attr == "AutoImageProcessor"
+                         and isinstance(node.value, ast.Name) and node.value.id == "transformers")
+            if from_top or attribute:
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
 
 
 # ---- a saved folder missing a file, and images given as paths or bytes (issue 24, Processor) ----
