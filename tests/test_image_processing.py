@@ -174,6 +174,23 @@ def test_rejects_non_uint8_arrays(tiny_processor):
         tiny_processor(np.zeros((3, 28, 28), dtype=np.float32))
 
 
+def test_arrays_convert_through_either_base_signature(tiny_processor, monkeypatch):
+    # the base class's convert_to_rgb takes input_data_format in later transformers and only the image in 5.17;
+    # the override (PIL images through the official conversion) passes on whatever its caller gives
+    from transformers.image_processing_backends import PilBackend
+
+    seen = []
+    array = np.zeros((3, 4, 4), np.uint8)
+    monkeypatch.setattr(PilBackend, "convert_to_rgb", lambda self, image: seen.append("5.17") or image)
+    assert tiny_processor.convert_to_rgb(array) is array and seen == ["5.17"]
+    monkeypatch.setattr(PilBackend, "convert_to_rgb",
+                        lambda self, image, input_data_format=None: seen.append(input_data_format) or image)
+    assert tiny_processor.convert_to_rgb(array, input_data_format="channels_first") is array
+    assert seen == ["5.17", "channels_first"]
+    gray = Image.fromarray(np.full((4, 5), 7, np.uint8), "L")
+    assert tiny_processor.convert_to_rgb(gray).shape == (4, 5, 3) and len(seen) == 2  # PIL: its own conversion
+
+
 # ---- image modes and sources (issue 24, Processor) ----
 
 RGB = np.random.default_rng(5).integers(0, 256, (28, 42, 3), dtype=np.uint8)

@@ -135,6 +135,21 @@ def test_fixture_images_give_stored_types_grids_and_patches(processor, vision_fi
         assert types[types != TEXT].tolist() == golden[f"image{row}.types"].tolist()
 
 
+@pytest.mark.parametrize("source", ["class attribute", "ProcessorKwargs._defaults"])
+def test_batches_pad_by_default_from_either_place_transformers_reads(processor, monkeypatch, source):
+    # later transformers read the default padding from the processor's class attribute, 5.17 only from
+    # ProcessorKwargs._defaults: with either one alone, a batch of unequal rows still comes back padded
+    from deepseek_v41.processing_deepseek_v41 import DeepseekV41ProcessorKwargs
+
+    if source == "class attribute":
+        monkeypatch.setattr(DeepseekV41ProcessorKwargs, "_defaults", {})
+    else:
+        monkeypatch.setattr(DeepseekV41Processor, "text_kwargs", {})
+    out = processor(text=["short", "a much longer row of text than the first"], return_tensors="pt")
+    lengths = out["attention_mask"].sum(1).tolist()
+    assert out["input_ids"].shape[1] == max(lengths) and lengths[0] < lengths[1]
+
+
 def test_batched_conversations_right_padding(processor):
     conversations = [
         [
