@@ -162,11 +162,13 @@ __device__ __forceinline__ auto smem_tensor(const bf16* p, Layout layout) {
   return make_tensor(make_smem_ptr(p), layout);
 }
 
+// k-steps [k0, k1) of a x b (all of them by default); zero: the first k-step of all overwrites c
 template <class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& c, bool zero) {
+__device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& c, bool zero, int k0 = 0,
+                                      int k1 = -1) {
   warpgroup_arrive();
   CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
+  for (int k = k0; k < (k1 < 0 ? int(size<2>(a)) : k1); ++k) {
     mma.accumulate_ = (zero && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
     cute::gemm(mma, a(_, _, k), b(_, _, k), c);
   }
@@ -389,14 +391,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     // no operand fence on acc_s here: inside an open wgmma stage a fence counts as a write, and the compiler
     // then serialises every wgmma; the first k-step of a block zeroes acc_s
     CUTE_UNROLL
-    for (int tile = 0; tile < 4; ++tile) {
+    for (int tile = 0; tile < 4; ++tile) {  // 4 k-steps of 16 columns a tile
       mbar_wait(&sm.ready[wg][half][tile], (it_phase + p) & 1);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int k = 4 * tile; k < 4 * tile + 4; ++k) {
-        mma_qk.accumulate_ = (zero && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-        cute::gemm(mma_qk, tQ(_, _, k), tK(_, _, k), acc_s);
-      }
+      wgmma(mma_qk, tQ, tK, acc_s, zero, 4 * tile, 4 * tile + 4);
     }
     warpgroup_commit_batch();
   };
