@@ -41,10 +41,10 @@ ten rounds on two leases): at ratio 1 0.657-0.713 ms, mean 0.686 ms, 501 TFLOP/s
 (``attention.py --kernels --bounds``); the persistent kernel had been 1.09x the one of one CTA per item (e1c53b4).
 What is left is the pair loop itself, ~2.3 µs per 64-slot block and multiprocessor, whose next Q·Kᵀ waits for
 the halves freed by the pair's last P·V to refill from L2 (the gathers alone take 67 % of the kernel's time).
-Registers: 224 per math thread, 56 for the producer (232 / 40, and the L2 prefetch hint
-at 256 bytes or none, measured the same within the noise; a split above the launch's 384 × 168 never completes its
-setmaxnreg and hangs: ``examples/benchmarks/variants/attention_fwd_tuning.py``). Shared memory: the buffers
-(214,800 bytes), then the index row and two items' slot masks (4¼ bytes a slot), so up to 3,840 slots.
+Registers: 224 per math thread, 56 for the producer (232 / 40, and the L2 prefetch hint at 256 bytes or none,
+measured the same within the noise; a split above the launch's 384 × 168 never completes its setmaxnreg and hangs:
+``examples/benchmarks/variants/attention_fwd_tuning.py``). Shared memory: the buffers (214,800 bytes), then the
+index row and two items' slot masks (4¼ bytes a slot), so up to 3,840 slots.
 
 The design follows the public description of DeepSeek's FlashMLA sparse prefill kernel; the code is ours
 (CuTe from the CUTLASS headers that TileLang ships, compiled with nvcc on first use by ``cuda_module``).

@@ -7,8 +7,9 @@ The producer and the two math warpgroups are generators that follow the kernel's
 arrivals, named-barrier arrivals and syncs, and shared-memory writes and reads (one step per warpgroup: its
 128 threads act together).  A scheduler runs them in a random interleaving; a schedule fails when no actor can
 move (deadlock), a warpgroup joins a named barrier twice in one generation, or a read finds another item's or
-pair's data: Q, each kv half (each 64-column tile at its wgmma's issue, the half again where it is waited for), the index row (read by the
-producer's gathers), the slot masks (read by the math), the output row, the exchanged maxima, P and the row sums.
+pair's data: Q, each kv half (each 64-column tile at its wgmma's issue, the half again where it is waited for),
+the index row (read by the producer's gathers), the slot masks (read by the math), the output row, the exchanged
+maxima, P and the row sums.
 Items have 0-5 pairs (0: a query without keys).  The producer's own named barrier around its index-row load (its
 four warps) is not modelled: the producer is one actor here.
 """
