@@ -1,7 +1,48 @@
 #!/usr/bin/env bash
-# Installs deepseek_v41 with its test/dev extras into the current Python. Uses the installed torch when there is
-# one (GPU machines bring their own CUDA build); otherwise pins the CPU build this workplace serves locally.
+# Creates (or reuses) the repository's virtual environment `.venv` and installs deepseek_v41 into it with the
+# extras the README's two commands need. Never installs into the system interpreter (PEP 668 refuses that on
+# Debian). Sourced by the two README scripts: afterwards `python` is the environment's interpreter.
+#   DS41_PYTHON   the interpreter that creates the environment (default: python3)
+#   DS41_VENV     where the environment lives (default: <repo>/.venv)
+# A torch already installed in that interpreter (a GPU machine's CUDA build) is reused through
+# --system-site-packages; otherwise the CPU build torch==2.13.0 is installed into the environment.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev]"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+base_python="${DS41_PYTHON:-python3}"
+venv="${DS41_VENV:-$repo/.venv}"
+extras="${DS41_EXTRAS:-dev}"
+
+if ! command -v "$base_python" >/dev/null 2>&1; then
+  echo "setup: '$base_python' not found; install Python 3.10+ or set DS41_PYTHON to an interpreter" >&2
+  exit 1
+fi
+stamp="$venv/.deepseek_v41_installed"
+# reinstall when pyproject.toml changed since the last install into this environment
+want="$(cat "$repo/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
+if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  echo "setup: reusing $venv"
+else
+  if [ ! -x "$venv/bin/python" ]; then
+    site=()
+    if "$base_python" -c "import torch" >/dev/null 2>&1; then
+      site=(--system-site-packages)  # keep the machine's torch (a CUDA build) instead of a CPU one
+      echo "setup: creating $venv with $($base_python --version 2>&1) (reusing its torch)"
+    else
+      echo "setup: creating $venv with $($base_python --version 2>&1)"
+    fi
+    "$base_python" -m venv "${site[@]}" "$venv" || {
+      echo "setup: '$base_python -m venv' failed; on Debian/Ubuntu install python3-venv (apt-get install python3-venv)" >&2
+      exit 1
+    }
+  fi
+  py="$venv/bin/python"
+  if ! "$py" -c "import torch" >/dev/null 2>&1; then
+    echo "setup: installing torch 2.13.0 (CPU build) into $venv ..."
+    "$py" -m pip install -q "torch==2.13.0"
+  fi
+  echo "setup: installing deepseek_v41[$extras] into $venv (about 2 minutes on a fresh machine) ..."
+  "$py" -m pip install -q -e "$repo[$extras]"
+  echo "$want" > "$stamp"
+  echo "setup: done"
+fi
+export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"

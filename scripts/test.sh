@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The test command of the README (and of CI): set up, then run the whole suite (GPU tests skip on CPU).
+# The test command of the README (and of CI): set up `.venv` (scripts/setup_env.sh), then run the whole suite
+# (GPU tests skip on CPU). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+source scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Test files run in parallel, one worker per core up to 4 (PYTEST_WORKERS overrides; 0 or 1 runs in one
 # process), each worker with its share of the cores: most tests are tiny models that gain little from threads.
@@ -14,4 +15,5 @@ if [ "$workers" -gt 1 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / workers ))}
   set -- -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
+echo "test: python -m pytest -q $*"
 python -m pytest -q "$@"
