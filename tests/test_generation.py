@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, SHARED, golden_dir
+from conftest import REPO, golden_dir, official_dir
 from safetensors.torch import load_file
 
 from deepseek_v41.cache_deepseek_v41 import DeepseekV41Cache, cache_bytes_per_token
@@ -129,8 +129,9 @@ def test_decode_equals_full_forward_bf16(model_bf16, golden_ids):
 
 
 def official_model(snapshot, ours, max_seq_len):
-    """The official model.py (bf16, CPU kernels of ../shared/official_v41) with our loaded bf16 weights."""
-    official = SHARED / "official_v41"
+    """The official model.py (bf16, the CPU kernels of its folder: DS41_OFFICIAL_DIR) with our loaded bf16
+    weights."""
+    official = official_dir()
     tool.install_kernels(official / "kernel.py")  # its `from kernel import ...` gets the CPU kernels
     module = tool.import_official_model(official)
     from transformers import AutoTokenizer
