@@ -128,6 +128,17 @@ def test_a_folders_own_chat_template_wins(snapshot, tmp_path):
     assert AutoTokenizer.from_pretrained(snapshot, chat_template="{{ 'x' }}").chat_template == "{{ 'x' }}"
 
 
+def test_a_transformers_without_the_tokenizer_routing_is_named(monkeypatch, caplog):
+    from transformers.models.auto import tokenization_auto
+
+    from deepseek_v41.processing_deepseek_v41 import register_tokenizer
+
+    monkeypatch.delattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS")
+    with caplog.at_level("WARNING", logger="deepseek_v41.processing_deepseek_v41"):
+        register_tokenizer()
+    assert "without the chat template" in caplog.text and "chat_template=" in caplog.text
+
+
 # ----------------------------------------------------------------------------------------------------
 # pipeline("text-generation", model=<path>) with chat messages
 # ----------------------------------------------------------------------------------------------------
@@ -200,6 +211,13 @@ def test_image_text_to_text_pipeline_on_a_path(request, monkeypatch, folder, tru
     assert out_chat[0]["generated_text"][-1] == {"role": "assistant", "content": answer}
     answer = _greedy_new_text(pipe.model, processor.tokenizer, by_text.to(dtype=pipe.model.dtype))
     assert out_text[0]["generated_text"] == f"{IMAGE_PLACEHOLDER}Describe it.{answer}"
+
+
+def test_image_input_to_a_text_only_snapshot_is_a_clear_error(snapshot):
+    pipe = pipeline("image-text-to-text", model=str(snapshot))
+    assert type(pipe.model) is DeepseekV41ForCausalLM and not pipe.model.has_vision
+    with pytest.raises(ValueError, match="no vision tower"):
+        pipe(text=_image_chat(_image()), max_new_tokens=1)
 
 
 # ----------------------------------------------------------------------------------------------------
