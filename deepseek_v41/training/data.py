@@ -167,6 +167,34 @@ class HellaSwagSFT(torch.utils.data.Dataset):
         return self.examples[i]
 
 
+class HellaSwagChoices(torch.utils.data.Dataset):
+    """Every ending of each example, tokenized like the training rows: ``(rows, label)`` per example, one
+    ``(input_ids, labels)`` row per ending.  Validation scores them all (multiple-choice accuracy); the gold
+    ending's row is also the validation loss's."""
+
+    def __init__(self, rows: list, tokenizer, max_length=None):
+        special = _special_ids(tokenizer)
+        self.examples = [
+            ([encode_example(tokenizer, r["ctx"], ending, max_length, special) for ending in r["endings"]], r["label"])
+            for r in rows
+        ]
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        return self.examples[i]
+
+
+def collate_choices(examples: list, pad_id: int, multiple: int, hasher=None) -> tuple:
+    """-> (``collate`` of every ending row of ``examples``, ``[(first row, endings, label)]`` per example)."""
+    rows, groups = [], []
+    for endings, label in examples:
+        groups.append((len(rows), len(endings), label))
+        rows.extend(endings)
+    return collate(rows, pad_id, multiple, hasher), groups
+
+
 def collate(examples: list, pad_id: int, multiple: int, hasher=None) -> dict:
     """Right-pad to a multiple of ``multiple``: input_ids / attention_mask / labels [b, s] (+ Engram hash ids)."""
     longest = max(len(ids) for ids, _ in examples)
@@ -225,3 +253,15 @@ def validation_batches(n_examples: int, local_batch_size: int, rank: int, world_
     per_rank = usable // world_size
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
     return [mine[i : i + local_batch_size] for i in range(0, per_rank, local_batch_size)]
+
+
+def check_datasets(recipe: dict, world_size: int) -> tuple:
+    """Read the recipe's training and validation rows as the trainer will (every row's schema is checked) and
+    check that they fill a global batch and a validation step at ``world_size`` ranks -> (train rows,
+    validation rows).  Run once by the launcher before any worker starts (``examples/finetune.py``)."""
+    ds, vs, steps = recipe["dataset"], recipe["validation_dataset"], recipe["step_scheduler"]
+    rows = read_hellaswag(ds["path_or_dataset"], ds["split"], ds["num_samples_limit"])
+    vrows = read_hellaswag(vs["path_or_dataset"], vs["split"], vs["num_samples_limit"])
+    UpdateSampler(len(rows), steps["global_batch_size"], steps["local_batch_size"], 0, world_size, recipe["seed"])
+    validation_batches(len(vrows), vs["local_batch_size"], 0, world_size)
+    return rows, vrows
