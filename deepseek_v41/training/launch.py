@@ -141,8 +141,9 @@ def reload_export(recipe: dict, max_new_tokens: int = 20) -> dict:
         parts.append(f"after {after['val_accuracy']:.3f} (step {after['step']})")
     parts.append(f"the reloaded export {reloaded['val_accuracy']:.3f} ({reloaded['val_correct']} of "
                  f"{reloaded['val_examples']})")
+    losses = (f"the run {after['val_loss']:.4f}, " if after else "") + f"the reloaded export {reloaded['val_loss']:.4f}"
     print(f"[finetune] validation accuracy (HellaSwag: the ending with the best mean log-likelihood per token; "
-          f"chance {chance:.2f}): {', '.join(parts)}", flush=True)
+          f"chance {chance:.2f}): {', '.join(parts)}; validation loss: {losses}", flush=True)
     return {**reloaded, "before": before, "after": after}
 
 
@@ -164,7 +165,9 @@ def main(recipe: dict, script: str, args: list, check_only: bool = False) -> int
     if status:
         print(f"[finetune] the run failed (exit status {status}); the workers' errors are above", file=sys.stderr)
         return status
-    if recipe["checkpoint"]["reload_export"]:
+    if recipe["checkpoint"]["reload_export"] and not recipe["checkpoint"]["export_dir"]:
+        print("[finetune] checkpoint.reload_export: nothing to reload, checkpoint.export_dir is null")
+    elif recipe["checkpoint"]["reload_export"]:
         try:
             reload_export(recipe)
         except RuntimeError as err:

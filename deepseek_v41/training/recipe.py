@@ -465,9 +465,6 @@ def _check_export_dir(recipe: dict) -> None:
     # checkpoint it fine-tunes, the wandb folder.
     ckpt = recipe["checkpoint"]
     if ckpt["export_dir"] is None:
-        if ckpt["reload_export"]:
-            raise RecipeError("checkpoint.reload_export=true needs checkpoint.export_dir (e.g. "
-                              "--checkpoint.export_dir=${output_dir}/model); or set reload_export to false")
         return
     export = _resolved(ckpt["export_dir"])
     output = _resolved(recipe["output_dir"])

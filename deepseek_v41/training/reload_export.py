@@ -34,10 +34,13 @@ def score(model, examples: list, pad_id: int, multiple: int) -> list:
     for r, (row_ids, row_labels) in enumerate(rows):
         ids[r, : len(row_ids)], labels[r, : len(row_labels)], mask[r, : len(row_ids)] = (
             torch.tensor(row_ids), torch.tensor(row_labels), 1)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    # the head (129,280 logits a position) only where an ending's next token is predicted: its input is the
+    # output's last_hidden_state, so the forward computes logits for the last position alone
+    hidden = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).last_hidden_state
     targets = labels.masked_fill(mask == 0, IGNORE_INDEX)[:, 1:]  # position t predicts token t + 1
     row, position = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
-    token_nll = F.cross_entropy(logits[row, position], targets[row, position], reduction="none")
+    logits = model.head_logits(hidden[row, position]).float()
+    token_nll = F.cross_entropy(logits, targets[row, position], reduction="none")
     nll = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, row, token_nll.double())
     count = (targets != IGNORE_INDEX).sum(1)
     mean_ll = torch.where(count > 0, -nll / count.clamp(min=1), -torch.inf)
