@@ -63,7 +63,8 @@ def main(argv):
     except RecipeError as err:
         if worker and os.environ["RANK"] != "0":
             raise SystemExit(1) from None  # rank 0 says it; once is enough
-        raise SystemExit(f"recipe error: {err}") from None
+        print(f"recipe error: {err}", file=sys.stderr)
+        raise SystemExit(1 if worker else 2) from None  # 2: the launcher's checks (launch.main) refused it
     if worker:
         from deepseek_v41.training.loop import run
 
