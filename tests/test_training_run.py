@@ -140,7 +140,7 @@ def test_tiny_recipe_learns_validates_exports_and_reloads(tmp_path):
     export = out / "model"
     assert f"loaded {export} in a fresh process where deepseek_v41 cannot be imported" in result.stdout
     assert ": transformers_modules." in result.stdout and "(the folder's own code)" in result.stdout
-    generated = re.search(r"^  generated:  (.*)$", result.stdout, re.M)
+    generated = re.search(r"^  generated:  (.*)$", result.stdout, re.MULTILINE)
     assert generated and generated.group(1).strip(), result.stdout[-3000:]
     accuracy = re.search(r"before fine-tuning ([\d.]+), after ([\d.]+) \(step 40\), the reloaded export ([\d.]+) "
                          r"\((\d+) of 16\); validation loss: the run ([\d.]+), the reloaded export ([\d.]+)",

@@ -28,12 +28,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from deepseek_v41.modeling_deepseek_v41 import causal_lm_targets
 from deepseek_v41.training import data as data_lib
 from deepseek_v41.training.checkpointing import Checkpointer, resolve_resume
 from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_modules
-from deepseek_v41.training.expert_parallel import apply_expert_parallel, expert_global_mesh, routed_expert_modules
+from deepseek_v41.training.expert_parallel import (
+    apply_expert_parallel,
+    expert_global_mesh,
+    routed_expert_modules,
+)
 from deepseek_v41.training.fsdp import parallelize
-from deepseek_v41.modeling_deepseek_v41 import causal_lm_targets
 from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
 from deepseek_v41.training.plan import check_layout

@@ -18,6 +18,7 @@ from deepseek_v41.backends import resolve_backend
 from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
 from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
 
+
 def check_checkpoint(recipe: dict, rank: int, barrier: bool = True) -> Path:
     """The checkpoint folder; with ``model.make_tiny_checkpoint_if_missing`` rank 0 creates it first (the
     launcher calls this with ``barrier=False`` before any worker starts)."""

@@ -17,9 +17,9 @@ sys.modules["deepseek_v41"] = None  # importing the package now fails: everythin
 if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
     del sys.path[0]  # run by path: this folder's modules (data, export, ...) must not shadow top-level names
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 IGNORE_INDEX = -100
 
@@ -55,7 +55,8 @@ def score(model, examples: list, pad_id: int, multiple: int) -> list:
 
 
 def main(folder: str, request_file: str) -> dict:
-    request = json.loads(open(request_file).read())
+    with open(request_file) as f:
+        request = json.load(f)
     try:
         import deepseek_v41  # noqa: F401
     except ImportError:
