@@ -52,6 +52,14 @@ def test_bad_data_fails_once_before_any_worker(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_bad_recipe_value_fails_once_before_any_worker(tmp_path):
+    """The README script's command with a bad override: the schema error once, status 2 (the launcher's
+    checks), no traceback, no torchrun failure block (the recipe used to be checked in every rank only)."""
+    result = finetune("--optimizer.lr=-0.5", f"--output_dir={tmp_path / 'run'}", timeout=180)
+    assert_one_clean_error(result, "recipe error: optimizer.lr=-0.5 is not valid")
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
+
+
 def _stamped_venv() -> bool:
     """Whether this interpreter's environment was set up by scripts/setup_env.sh for this pyproject.toml (then
     the README script reuses it as it is and installs nothing)."""
