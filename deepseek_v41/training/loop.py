@@ -195,7 +195,7 @@ class Trainer:
         self._emit(metrics, val)
         when = "before the first update" if step == 0 else f"step {step}"
         self._print(f"[finetune] {when}: validation loss {val['val_loss']:.4f}, accuracy {val['val_accuracy']:.3f} "
-                    f"({val['val_correct']} of {val['val_examples']} endings chosen right)")
+                    f"({val['val_correct']} of {val['val_examples']} examples: the gold ending scored best)")
 
     def prewarm(self):
         """Before the first timed update: build the TileLang kernels for every [batch, seq] shape the data
