@@ -796,7 +796,10 @@ def resolve_device_map(model, device_map, dtype, max_memory=None) -> dict:
 
 def plan_device_map(model, plan: str, dtype, max_memory=None) -> dict:
     # accelerate's planner over the meta-device model, whole blocks per device, fp32 islands counted as fp32
-    from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
+    try:  # (in a try block, transformers' remote-code import check does not demand accelerate of every export)
+        from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
+    except ImportError as err:
+        raise ImportError(f'device_map="{plan}" plans with the accelerate package: pip install accelerate') from err
 
     no_split = list(model._no_split_modules)
     special = {name: torch.float32 for name, t in model.named_parameters() if t.dtype == torch.float32}
