@@ -8,7 +8,7 @@
 #                 scripts/run_tiny_finetune.sh asks for none: the demo needs only the package's dependencies).
 #                 Extras installed before stay: asking for fewer reuses the environment as it is.
 # A torch already installed in that interpreter (a GPU machine's CUDA build) is reused through
-# --system-site-packages; otherwise the CPU build torch==2.13.0 is installed into the environment.
+# --system-site-packages; otherwise torch==2.13.0 is installed into the environment from the package index.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 base_python="${DS41_PYTHON:-python3}"
@@ -46,7 +46,7 @@ else
   fi
   py="$venv/bin/python"
   if ! "$py" -c "import torch" >/dev/null 2>&1; then
-    echo "setup: installing torch 2.13.0 (CPU build) into $venv ..."
+    echo "setup: installing torch 2.13.0 into $venv ..."
     "$py" -m pip install -q "torch==2.13.0"
   fi
   echo "setup: installing deepseek_v41${union:+[$union]} into $venv (about 2 minutes on a fresh machine) ..."
