@@ -350,8 +350,10 @@ class Attention(nn.Module):
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         # o [n, groups, d] -> [n, groups·o_lora]: group g through rows g·o_lora..(g+1)·o_lora of wo_a
         if is_plain_linear(self.wo_a):
-            wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-            return _GroupedProjection.apply(o, wo_a.to(o.dtype))
+            wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1).to(o.dtype)
+            if torch.compiler.is_compiling():  # Dynamo takes no strided out=: the same product, then token-major
+                return torch.bmm(o.transpose(0, 1), wo_a.transpose(1, 2)).transpose(0, 1).reshape(o.shape[0], -1)
+            return _GroupedProjection.apply(o, wo_a)
         # a wrapped wo_a (PEFT LoRA, ...) is called as a module, every group through all rows [n, groups, groups·r],
         # and each group keeps its own block (the diagonal): exactly the merged weight's block-diagonal product
         y = self.wo_a(o).unflatten(-1, (self.o_groups, self.o_lora_rank))  # [n, groups, groups, r]
