@@ -39,11 +39,13 @@ IGNORE_INDEX = -100  # a label that counts for nothing (padding, prompt tokens)
 # generate itself, so forward leaves out the value checks (and their host sync)
 GENERATE_DECODE_STEP = "_generate_decode_step"
 
-# What an exported folder's config.json maps the Auto classes to (the flat remote-code files).
+# What an exported folder's config.json maps the Auto classes to (the flat remote-code files). The causal LM is also
+# the image-text-to-text model (it embeds images itself), as the package registers it locally.
 AUTO_MAP = {
     "AutoConfig": "configuration_deepseek_v41.DeepseekV41Config",
     "AutoModel": "modeling_deepseek_v41.DeepseekV41Model",
     "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
+    "AutoModelForImageTextToText": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
 }
 
 
