@@ -1,7 +1,7 @@
 """Decode speed: the eager step against the CUDA-graph-replayed step over a static cache, and generate() end to end.
 
     python examples/benchmarks/decode.py                                  # H200: the numbers of issue 41
-    python examples/benchmarks/decode.py --baseline                       # + transformers' DeepSeek-V4, same run
+    python examples/benchmarks/decode.py --baseline [--baseline-path DIR]  # + transformers' DeepSeek-V4, same run
     python examples/benchmarks/decode.py --contexts 131072 --batches 1 --modes off --no-generate   # long prefill
     python examples/benchmarks/decode.py --device cpu                     # a tiny config: checks the script runs
 
@@ -16,7 +16,8 @@ the last kernel's end).  Each step is called as generate calls it (``forward`` o
 value checks of a direct call).  Then ``generate()`` greedy, a ``--gen-prompt``-token prompt and ``--gen-new`` new
 tokens at each ``--gen-batches`` size, new tokens/s (the second of two calls: the first captures the graph).
 ``--baseline``: transformers' ``DeepseekV4ForCausalLM`` (V4-Flash width, 4 layers, 32 experts, eager, its own
-cache), the same measurements where it can run, in the same run.
+cache), the same measurements where it can run, in a subprocess of the same run (``--baseline-path DIR``: a
+transformers that has it, e.g. ``pip install --target DIR transformers>=5.25``, first on that process's path only).
 
 CPU (``--device cpu``): the same on a tiny random config (``--modes off``: no graphs on the CPU; the profiler then
 counts CPU ops), to check that the script runs.
@@ -25,6 +26,7 @@ counts CPU ops), to check that the script runs.
 import argparse
 import contextlib
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -32,9 +34,6 @@ import time
 from pathlib import Path
 
 import torch
-
-from deepseek_v41.cache_deepseek_v41 import DeepseekV41StaticCache, cache_bytes_per_token
-from deepseek_v41.modeling_deepseek_v41 import GENERATE_DECODE_STEP, DeepseekV41ForCausalLM, default_dtype
 
 
 def synchronize(device) -> None:
@@ -50,6 +49,8 @@ def tokenizer():
 
 
 def build_model(args, device):
+    from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
+
     sys.path.insert(0, str(Path(__file__).parent))
     torch.manual_seed(0)
     if device.type == "cpu":
@@ -89,8 +90,9 @@ def warm_up_kernels(model, batch, ctx, device) -> None:
         warmup_tilelang_kernels(tilelang_shapes_for(model.config.text_config, batch, ctx), device)
 
 
-def profile_steps(step, n: int, device):
-    """(kernels per step, GPU-busy share) of n calls of step() (CPU: aten ops per step, busy n/a)."""
+def profile_steps(step, n: int, device, table=None, title=""):
+    """(kernels per step, GPU-busy share) of n calls of step() (CPU: aten ops per step, busy n/a).  ``table``: a file
+    to which the step's kernels by total time are appended (name, calls and microseconds per step), under ``title``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -107,6 +109,8 @@ def profile_steps(step, n: int, device):
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events
                      if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
     steps = [e for e in events if e.name == "decode_step"]
+    if table is not None:
+        write_kernel_table(events, n, table, title)
     if not kernels or not steps:
         return 0.0, float("nan")
     busy, start_open, end_open = 0.0, None, None
@@ -122,6 +126,20 @@ def profile_steps(step, n: int, device):
     return len(kernels) / n, busy / span
 
 
+def write_kernel_table(events, n: int, path, title: str, rows: int = 45) -> None:
+    per_name = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            calls, us = per_name.get(e.name, (0, 0.0))
+            per_name[e.name] = calls + 1, us + e.time_range.end - e.time_range.start
+    total = sum(us for _, us in per_name.values())
+    with open(path, "a") as f:
+        f.write(f"\n## {title}: {sum(c for c, _ in per_name.values()) / n:.0f} kernels, {total / n:.0f} us of kernel "
+                "time per step\n  calls/step   us/step  share  kernel\n")
+        for name, (calls, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:rows]:
+            f.write(f"{calls / n:12.1f} {us / n:9.1f} {100 * us / max(total, 1e-9):5.1f}%  {name[:150]}\n")
+
+
 def time_steps(step, n: int, device) -> float:
     synchronize(device)
     start = time.perf_counter()
@@ -132,6 +150,9 @@ def time_steps(step, n: int, device) -> float:
 
 
 def ours(args, device) -> None:
+    from deepseek_v41.cache_deepseek_v41 import DeepseekV41StaticCache, cache_bytes_per_token
+    from deepseek_v41.modeling_deepseek_v41 import GENERATE_DECODE_STEP
+
     model = build_model(args, device)
     text = model.config.text_config
     print(f"deepseek_v41, {text.num_hidden_layers} layers, hidden {text.hidden_size}, {text.n_routed_experts} experts, "
@@ -162,7 +183,8 @@ def ours(args, device) -> None:
                     for _ in range(args.warmup + 1):  # the first step of a graph mode captures it
                         step()
                     seconds = time_steps(step, args.steps, device)
-                    kernels, busy = profile_steps(step, args.profile_steps, device)
+                    kernels, busy = profile_steps(step, args.profile_steps, device, args.kernel_table,
+                                                  f"deepseek_v41 context {ctx} batch {batch} {mode}")
                     print(f"{ctx:7d} {batch:6d} {prefill:10.3f}  {mode:10s} {1e3 * seconds:9.2f} "
                           f"{batch / seconds:17.1f} {kernels:13.0f} {100 * busy:8.1f} %", flush=True)
                     cache.graph = None  # the next mode captures its own
@@ -222,7 +244,8 @@ def baseline(args, device) -> None:
                     for _ in range(args.warmup):
                         step()
                     seconds = time_steps(step, args.steps, device)
-                    kernels, busy = profile_steps(step, args.profile_steps, device)
+                    kernels, busy = profile_steps(step, args.profile_steps, device, args.kernel_table,
+                                                  f"transformers DeepseekV4 context {ctx} batch {batch} eager")
                 print(f"{ctx:7d} {batch:6d} {prefill:10.3f}  {'eager':10s} {1e3 * seconds:9.2f} "
                       f"{batch / seconds:17.1f} {kernels:13.0f} {100 * busy:8.1f} %", flush=True)
             except torch.OutOfMemoryError as error:
@@ -262,7 +285,12 @@ def main():
     parser.add_argument("--gen-new", type=int, default=32)
     parser.add_argument("--gen-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--no-generate", action="store_true", help="skip the generate() rows")
-    parser.add_argument("--baseline", action="store_true", help="also transformers' DeepseekV4ForCausalLM")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also transformers' DeepseekV4ForCausalLM, in a subprocess of this run")
+    parser.add_argument("--baseline-path", default="",
+                        help="a folder put first on the baseline subprocess's PYTHONPATH (a newer transformers)")
+    parser.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kernel-table", help="append each profiled step's kernels by total time to this file")
     parser.add_argument("--torch-attention", action="store_true", help="prefill with attn torch even with tilelang")
     parser.add_argument("--fused", action="store_true",
                         help="tile-kernels' mHC / Engram gate / quantization and the Triton norm (needs tile_kernels)")
@@ -276,10 +304,18 @@ def main():
     if cpu:
         args.steps, args.profile_steps, args.warmup = min(args.steps, 4), min(args.profile_steps, 2), 1
         args.gen_prompt, args.gen_new, args.gen_batches = min(args.gen_prompt, 32), min(args.gen_new, 4), [1]
+    if args.baseline_only:
+        header(device)
+        baseline(args, device)
+        return
     header(device)
     ours(args, device)
-    if args.baseline:
-        baseline(args, device)
+    if args.baseline:  # its own process: its transformers (--baseline-path) and a GPU memory of its own
+        environment = dict(os.environ)
+        if args.baseline_path:
+            environment["PYTHONPATH"] = os.pathsep.join(filter(None, [args.baseline_path, os.environ.get("PYTHONPATH")]))
+        argv = [a for a in sys.argv[1:] if a != "--baseline"]
+        subprocess.run([sys.executable, __file__, *argv, "--baseline-only"], env=environment, check=False)
 
 
 if __name__ == "__main__":
