@@ -347,7 +347,7 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
             raise ValueError(f"max_cache_len must be a positive number of positions, got {max_cache_len}")
         if rollback_tokens < 0:
             raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
-        self.max_cache_len, self.rollback_tokens = max_cache_len, rollback_tokens
+        self._max_cache_len, self.rollback_tokens = max_cache_len, rollback_tokens
         self.version = 0  # bumped whenever a buffer is (re)allocated: a graph captured on the old ones is stale
         super().__init__(config)
         n = self.text_config.engram_max_ngram_size - 1
@@ -423,6 +423,10 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         return ids, torch.cat([dead, dead.new_zeros(input_ids.shape)], dim=1)
 
     # ---- the transformers Cache interface ------------------------------------------------------------------
+
+    @property
+    def max_cache_len(self) -> int:  # a read-only property of Cache in transformers 5.1x: ours, not deprecated
+        return self._max_cache_len
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.max_cache_len

@@ -18,6 +18,8 @@ the MoE combine and the experts' weighted SwiGLU.
   rounding) and its backward (gate, up and weight gradients), one kernel each way.
 * ``mix_dx_triton``: the input gradient of mHC's mix GEMM (``mhc_tile_kernels``), the 24-wide product and the
   RMS term in one pass.
+* ``split_sinkhorn_triton``: mHC's coefficient split and its 20 Sinkhorn rounds in one kernel, without autograd
+  (inference: ``mhc.hc_split_sinkhorn`` uses it on CUDA when no gradient is asked for).
 
 Triton ships with the CUDA builds of PyTorch; on CPU (or without Triton) the callers use eager PyTorch.
 """
@@ -34,6 +36,13 @@ except ImportError:  # CPU-only PyTorch builds come without Triton
 def triton_usable(x: torch.Tensor) -> bool:
     """True when ``x`` lives on a CUDA device and Triton is importable."""
     return triton is not None and x.is_cuda
+
+
+def inference_kernel_usable(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """True where a forward-only Triton kernel may stand in for an eager chain: x on CUDA with Triton, no gradient
+    asked of x or ``tensors``, and not inside torch.compile's tracing (Inductor fuses the eager chain itself)."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors))
+    return triton_usable(x) and not needs_grad and not torch.compiler.is_compiling()
 
 
 if triton is not None:
@@ -233,6 +242,34 @@ if triton is not None:
         c = tl.load(coef_ptr + rows, mask=rmask, other=0.0)
         tl.store(dx_ptr + off, (acc - c[:, None] * x).to(dx_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _split_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, eps, HC: tl.constexpr,
+                               ITERS: tl.constexpr, BLOCK_R: tl.constexpr):
+        # mix fp32 [n, (2+HC)·HC] -> pre, post [n, HC], comb [n, HC(src), HC(dst)]: mhc.hc_split_sinkhorn with the
+        # whole Sinkhorn loop in registers (eager runs ~6 kernels per round)
+        W: tl.constexpr = (2 + HC) * HC
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = rows < n_rows
+        r64 = rows.to(tl.int64)
+        h = tl.arange(0, HC)
+        m2 = live[:, None]
+        s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+        pre = tl.load(mix_ptr + r64[:, None] * W + h[None, :], mask=m2, other=0.0) * s0 + tl.load(base_ptr + h)[None, :]
+        post = tl.load(mix_ptr + r64[:, None] * W + HC + h[None, :], mask=m2, other=0.0) * s1 \
+            + tl.load(base_ptr + HC + h)[None, :]
+        tl.store(pre_ptr + r64[:, None] * HC + h[None, :], tl.sigmoid(pre) + eps, mask=m2)
+        tl.store(post_ptr + r64[:, None] * HC + h[None, :], 2 * tl.sigmoid(post), mask=m2)
+        ij = h[None, :, None] * HC + h[None, None, :]  # [1, HC, HC]
+        m3 = live[:, None, None]
+        c = tl.load(mix_ptr + r64[:, None, None] * W + 2 * HC + ij, mask=m3, other=0.0) * s2 + tl.load(base_ptr + 2 * HC + ij)
+        c = tl.exp(c - tl.max(c, axis=2)[:, :, None])  # softmax over the destinations
+        c = c / tl.sum(c, axis=2)[:, :, None] + eps
+        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+        for _ in range(ITERS - 1):
+            c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
+            c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+        tl.store(comb_ptr + r64[:, None, None] * (HC * HC) + ij, c, mask=m3)
+
 
 def rope_kernel_fits(x: torch.Tensor, rd: int) -> bool:
     """Whether ``rope_rotate`` takes x [.., d] with rd rotated channels: contiguous, rd a power of two <= d."""
@@ -375,3 +412,22 @@ def mix_dx_triton(g_y: torch.Tensor, fn: torch.Tensor, coef: torch.Tensor, x: to
         N_PAD=max(16, triton.next_power_of_2(n)), BLOCK_R=block_r, BLOCK_C=block_c, PRECISION="tf32x3", num_warps=4,
     )
     return dx
+
+
+def split_sinkhorn_triton(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                          eps: float):
+    """``mhc.hc_split_sinkhorn``'s forward in one kernel (no autograd): mixes fp32 [..., (2+hc)·hc] -> pre [..., hc],
+    post [..., hc], comb [..., hc, hc], fp32.  The same formulas; fp32 rounding differs from eager's by a few ulp
+    (exp and the fused operations).  hc a power of two."""
+    lead = mixes.shape[:-1]
+    flat = mixes.reshape(-1, mixes.shape[-1]).float().contiguous()
+    n = flat.shape[0]
+    pre = flat.new_empty(*lead, hc)
+    post = flat.new_empty(*lead, hc)
+    comb = flat.new_empty(*lead, hc, hc)
+    block_r = 32
+    _split_sinkhorn_kernel[(max(1, triton.cdiv(n, block_r)),)](
+        flat, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, n, eps, HC=hc, ITERS=iters,
+        BLOCK_R=block_r, num_warps=1,
+    )
+    return pre, post, comb
