@@ -191,3 +191,31 @@ def test_sinkhorn_kernel_matches_an_fp64_reference_as_closely_as_eager(rows):
         err, eager_err = rel_err(out.cpu(), ref), rel_err(slow.detach().cpu(), ref)
         print(f"{name}: kernel {err:.2e}, eager {eager_err:.2e}")
         assert err <= 3e-7, (name, err, eager_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qdq_kernels_are_bit_identical_to_the_references(dtype):
+    # quantization's three boundaries on CUDA without autograd are qdq_triton; the references (eager, on the same
+    # GPU) are what matches the official kernels.  Values over 12 decades, an all-zero block, a block of
+    # subnormal-sized values and signed zeros: every output equal, zeros' signs included
+    from deepseek_v41 import quantization as q
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 7, 512, generator=g) * torch.logspace(-8, 4, 512)
+    x[0, 0] = 0.0
+    x[1, 1, :32] = -0.0
+    x[2, 2, :64] = 1e-38
+    x = x.to(dtype).cuda()
+    for name, reference, boundary in (("fp8", q.fp8_qdq_reference, q.fp8_qdq), ("fp4", q.fp4_qdq_reference, q.fp4_qdq),
+                                      ("fp4_e4m3_scale", q.fp4_e4m3_scale_qdq_reference, q.fp4_e4m3_scale_qdq)):
+        with torch.no_grad():
+            fused = boundary(x)
+        ref = reference(x)
+        assert fused.dtype == dtype and fused.shape == x.shape
+        same = fused.view(torch.int16 if dtype == torch.bfloat16 else torch.int32) == ref.view(
+            torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        assert bool(same.all()), (name, int((~same).sum()), x[~same][:4], fused[~same][:4], ref[~same][:4])
+        grad_x = x.clone().requires_grad_()
+        out = boundary(grad_x)  # with autograd: the reference with its identity backward
+        out.sum().backward()
+        assert torch.equal(out.detach(), ref) and torch.equal(grad_x.grad, torch.ones_like(x))
