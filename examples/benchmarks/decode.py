@@ -106,9 +106,10 @@ def profile_steps(step, n: int, device, table=None, title=""):
     if device.type != "cuda":
         ops = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
         return len(ops) / n, float("nan")
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
-    steps = [e for e in events if e.name == "decode_step"]
+    steps = [e for e in events if e.name == "decode_step" and e.device_type != torch.autograd.DeviceType.CUDA]
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events  # (the step's GPU-side range is not one)
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "decode_step"
+                     and not e.name.startswith(("Memcpy", "Memset")))
     if table is not None:
         write_kernel_table(events, n, table, title)
     if not kernels or not steps:
@@ -129,7 +130,7 @@ def profile_steps(step, n: int, device, table=None, title=""):
 def write_kernel_table(events, n: int, path, title: str, rows: int = 45) -> None:
     per_name = {}
     for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "decode_step":
             calls, us = per_name.get(e.name, (0, 0.0))
             per_name[e.name] = calls + 1, us + e.time_range.end - e.time_range.start
     total = sum(us for _, us in per_name.values())
