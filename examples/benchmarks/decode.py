@@ -7,7 +7,8 @@
 
 GPU: the 4-layer released-width proxy of ``train_step.py`` (random weights, bf16; the prefill with TileLang
 attention when tilelang is installed, else torch), at each ``--contexts`` length and ``--batches`` size: the
-prefill of one row (a batch repeats its rows: a decode step's time does not depend on what the rows hold), then per
+prefill of one row (with TileLang timed after an untimed one of the same shape, which builds its kernels; a batch
+repeats its rows: a decode step's time does not depend on what the rows hold), then per
 decode mode (``--modes``; ``off``: the eager step over the static cache, ``cuda_graph``: the same step captured once
 and replayed, ``compile``: torch.compile's kernels captured the same way) the milliseconds per token (mean over
 ``--steps`` steps, after the capture and ``--warmup`` steps), tokens/s, kernels per step and the GPU-busy share of
@@ -83,11 +84,11 @@ def build_model(args, device):
     return model.eval()
 
 
-def warm_up_kernels(model, batch, ctx, device) -> None:
-    if device.type == "cuda" and model.config.backend["attn"] == "tilelang":
-        from deepseek_v41.kernels_tilelang import tilelang_shapes_for, warmup_tilelang_kernels
-
-        warmup_tilelang_kernels(tilelang_shapes_for(model.config.text_config, batch, ctx), device)
+def warm_up_kernels(model, ids) -> None:
+    # TileLang builds its kernels for each prefill shape at first use: an untimed prefill of the same shape first
+    if ids.is_cuda and model.config.backend["attn"] == "tilelang":
+        with torch.inference_mode():
+            model(ids, logits_to_keep=1)
 
 
 def profile_steps(step, n: int, device, table=None, title=""):
@@ -163,8 +164,8 @@ def ours(args, device) -> None:
     modes = args.modes if device.type == "cuda" else ["off"]
     generator = torch.Generator(device="cpu").manual_seed(0)
     for ctx in args.contexts:
-        warm_up_kernels(model, 1, ctx, device)
         ids = torch.randint(3, 129000, (1, ctx), generator=generator).to(device)
+        warm_up_kernels(model, ids)
         for batch in args.batches:
             steps_needed = 2 * (args.warmup + args.steps + args.profile_steps) + 4
             with torch.inference_mode():
