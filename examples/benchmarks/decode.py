@@ -27,6 +27,7 @@ counts CPU ops), to check that the script runs.
 import argparse
 import contextlib
 import datetime
+import functools
 import os
 import platform
 import subprocess
@@ -181,7 +182,7 @@ def ours(args, device) -> None:
                 del out
                 for mode in modes:
                     model.decode_graph = mode
-                    step = lambda: model(token, cache=cache, **{GENERATE_DECODE_STEP: True})  # noqa: E731
+                    step = functools.partial(model, token, cache=cache, **{GENERATE_DECODE_STEP: True})
                     for _ in range(args.warmup + 1):  # the first step of a graph mode captures it
                         step()
                     seconds = time_steps(step, args.steps, device)
@@ -242,7 +243,7 @@ def baseline(args, device) -> None:
                     prefill = time.perf_counter() - start
                     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
                     del out
-                    step = lambda: model(token, past_key_values=cache, use_cache=True)  # noqa: E731
+                    step = functools.partial(model, token, past_key_values=cache, use_cache=True)
                     for _ in range(args.warmup):
                         step()
                     seconds = time_steps(step, args.steps, device)
@@ -263,7 +264,7 @@ def baseline(args, device) -> None:
 def header(device) -> None:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
+                                cwd=Path(__file__).parent, check=False).stdout.strip()
     except OSError:
         commit = "?"
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
