@@ -7,12 +7,10 @@ moments, the LR schedule, clipping, Engram hash precompute, validation, checkpoi
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
-from test_training_parallel import torchrun_env
+from torchrun_launch import assert_every_rank, torchrun, torchrun_env
 
 REPO = Path(__file__).resolve().parents[1]
 FLAGSHIP = REPO / "examples" / "configs" / "deepseek_v41_flash_hellaswag.yaml"
@@ -41,10 +39,8 @@ def test_flagship_recipe_runs_two_updates_on_cpu(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
     args = [f"--{k}={json.dumps(v)}" for k, (v, _) in OVERRIDES.items()] + [f"--output_dir={out}"]
     env = {**torchrun_env(), "DS41_CHECKPOINT": str(tiny_checkpoint)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "examples" / "finetune.py"), "--config", str(FLAGSHIP), *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    result = torchrun(REPO / "examples" / "finetune.py", "--config", FLAGSHIP, *args, nproc=2, timeout=300, env=env)
+    assert_every_rank(result, 2)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]

@@ -2,22 +2,18 @@
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_training_parallel import torchrun_env
+from torchrun_launch import assert_every_rank, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
 
 
 def finetune(*overrides, timeout=300):
-    env = torchrun_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "examples" / "finetune.py"), str(RECIPE), *overrides]
-    return subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    """The README command on 2 ranks; -> the finished launch (``assert_every_rank`` checks both ranks' ends)."""
+    return torchrun(REPO / "examples" / "finetune.py", RECIPE, *overrides, nproc=2, timeout=timeout)
 
 
 def read_metrics(out_dir: Path) -> tuple:
@@ -46,7 +42,7 @@ def test_tiny_recipe_learns_validates_and_exports(tmp_path):
     ckpt, out, export = tmp_path / "ckpt", tmp_path / "run", tmp_path / "export"
     result = finetune(f"--model.config.pretrained_model_name_or_path={ckpt}", f"--output_dir={out}",
                       f"--checkpoint.export_dir={export}", *SHORT, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert_every_rank(result, 2)
     assert "creating the tiny checkpoint" in result.stdout and "tokens/s" in result.stdout
     steps, vals = read_metrics(out)
     assert [r["step"] for r in steps] == list(range(1, 41)) and [v["step"] for v in vals] == [20, 40]
