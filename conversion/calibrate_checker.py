@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                 start = time.monotonic()
                 ours = tool.run_ours_whole(checker.checkpoint, ids, opts.device)
                 ours_s = time.monotonic() - start
-            report = tool.build_report(official, ours, tool.default_gates(), tool.CONSISTENCY_GATE,
+            report = tool.build_report(official, ours, tool.default_gates(weights), tool.CONSISTENCY_GATE,
                                        tool.sliding_window(checker.checkpoint))
             reference = official["hidden"].float().cpu() @ official["head"].T
             runs.append({"prompt": prompt["name"], "weights": weights, "seq_len": ids.shape[1],

@@ -88,15 +88,29 @@ SHAPE_FIELDS = {
 # window; past it compressed / selected keys join, with their own rounding. Each class has its own KL gates (mean,
 # p95, largest per-token), so an error confined to one class is not averaged away by the other.
 CLASS_NAMES = ("in_window", "past_window")
-# Top-1 agreement is counted only at decisive positions, where the official top-1 logit leads the runner-up by
-# more than TOP1_MARGIN: bf16 rounding moves a logit gap by up to `gap_noise` (see calibrate_checker.py), so a
-# flip between two logits closer than that is rounding, not a bug. Near-tie positions are reported, not gated.
-TOP1_MARGIN = 0.05
+# Top-1 agreement is counted only at decisive positions, where the official top-1 logit leads the runner-up by more
+# than TOP1_MARGIN: bf16 rounding moves the gap between two logits by up to `gap_noise` (position_stats), so a flip
+# between two logits closer than that is rounding, not a bug. Near-tie positions are reported, not gated.
+# 0.6 = the 99th percentile of gap_noise measured on the tiny text fixture (0.585 over 7,216 positions: 22 prompts
+# of conversion/checker_prompts.json, 16-512 tokens, both --weights); the largest margin measured to flip was 0.42,
+# and no decisive position flipped (top-1 1.0 on every prompt).
+TOP1_MARGIN = 0.6
 NOISE_RIVALS = 32  # the reference's logits after its top-1 whose gap to it the noise figure follows
-CLASS_GATES = {name: {"mean_kl": GATES["bf16"]["mean_kl"], "p95_kl": GATES["bf16"]["p95_kl"], "max_kl": 1e-2}
-               for name in CLASS_NAMES}
-DEFAULT_GATES = {"cosine": GATES["bf16"]["cosine"], "top1": GATES["bf16"]["top1"], "top1_margin": TOP1_MARGIN,
-                 **CLASS_GATES}
+# Per --weights and position class: 3x the worst figure measured on those 22 prompts (conversion/calibrate_checker.py),
+# rounded up. --weights released carries the official FP8 activation path's own rounding (about 2x the KL of bf16).
+# Measured worst, bf16: in_window mean 3.6e-4 / p95 1.6e-3 / max 5.2e-3, past_window 4.0e-4 / 2.0e-3 / 1.7e-2, cosine
+# 0.99965; released: in_window 1.04e-3 / 5.0e-3 / 1.2e-2, past_window 8.5e-4 / 3.9e-3 / 2.2e-2, cosine 0.99927.
+# The injected bugs of tests/test_compare_with_official.py (64 tokens, bf16) reach past_window mean 2.3e-3-2.7e-3,
+# p95 6.6e-3-7.2e-3, cosine 0.9976-0.9977. The V4.1 fixed gates (GATES["bf16"]: mean 1e-3, p95 2e-3) fail honest
+# code on some of these prompts: a random tiny model's near-uniform tails make its per-token KL noisier.
+CLASS_GATES = {
+    "bf16": {"in_window": {"mean_kl": 1.1e-3, "p95_kl": 5e-3, "max_kl": 1.6e-2},
+             "past_window": {"mean_kl": 1.2e-3, "p95_kl": 6e-3, "max_kl": 5e-2}},
+    "released": {"in_window": {"mean_kl": 3.2e-3, "p95_kl": 1.5e-2, "max_kl": 3.5e-2},
+                 "past_window": {"mean_kl": 2.6e-3, "p95_kl": 1.2e-2, "max_kl": 6.6e-2}},
+}
+COSINE_GATES = {"bf16": 0.999, "released": 0.998}  # 1 - cosine: 3x the worst measured 3.5e-4 / 7.3e-4
+TOP1_GATE = GATES["bf16"]["top1"]  # at decisive positions (measured 1.0)
 CONSISTENCY_GATE = 1e-5
 BLOCK = 32  # FP8 weight scales cover 32 x 32 blocks; FP4 / Engram scales 32 columns of one row
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude of each 3-bit E2M1 code
@@ -624,8 +638,11 @@ def run_ours_whole(checkpoint_dir: Path, ids: torch.Tensor, device) -> torch.Ten
 # ----------------------------------------------------------------------------------------------------
 
 
-def default_gates() -> dict:
-    return {name: dict(value) if isinstance(value, dict) else value for name, value in DEFAULT_GATES.items()}
+def default_gates(weights: str = "released") -> dict:
+    """The gates of ``--weights weights``: cosine, top1 (decisive positions), top1_margin, and per position class
+    {mean_kl, p95_kl, max_kl}."""
+    return {"cosine": COSINE_GATES[weights], "top1": TOP1_GATE, "top1_margin": TOP1_MARGIN,
+            **{name: dict(gates) for name, gates in CLASS_GATES[weights].items()}}
 
 
 def sliding_window(checkpoint_dir: Path) -> int:
@@ -661,9 +678,10 @@ def position_stats(reference: torch.Tensor, candidate: torch.Tensor, chunk: int 
     return {name: torch.cat(parts) for name, parts in out.items()}
 
 
-def gated_classes(stats: dict, classes: torch.Tensor, gates: dict, what: str) -> tuple[dict, list]:
-    """Per position class (KL gates) and per decisive / near-tie positions (the top-1 gate): (metrics,
-    failures named after ``what``)."""
+def gated_classes(stats: dict, classes: torch.Tensor, gates: dict, what: str,
+                  kl_gates=("mean_kl", "p95_kl", "max_kl")) -> tuple[dict, list]:
+    """Per position class (the ``kl_gates`` of each class) and per decisive / near-tie positions (the top-1 gate):
+    (metrics, failures named after ``what``)."""
     metrics, failures = {"classes": {}}, []
     for index, name in enumerate(CLASS_NAMES):
         kl = stats["kl"][classes == index]
@@ -672,7 +690,7 @@ def gated_classes(stats: dict, classes: torch.Tensor, gates: dict, what: str) ->
         metrics["classes"][name] = {"positions": len(kl), "mean_kl": kl.mean().item(),
                                     "p95_kl": torch.quantile(kl, 0.95).item(), "max_kl": kl.max().item()}
         failures += [f"{what} / {name}: {f}" for f in gate_failures(metrics["classes"][name], {
-            key: gates[name][key] for key in ("mean_kl", "p95_kl", "max_kl")})]
+            key: gates[name][key] for key in kl_gates})]
     decisive = stats["margin"] > gates["top1_margin"]
     for name, where in (("decisive", decisive), ("near_tie", ~decisive)):
         agree = stats["agree"][where]
@@ -687,12 +705,15 @@ def gated_classes(stats: dict, classes: torch.Tensor, gates: dict, what: str) ->
 
 
 def compare(reference: torch.Tensor, candidate: torch.Tensor, classes: torch.Tensor, gates: dict,
-            what: str) -> tuple[dict, list]:
-    """(gated metrics, failures named after ``what``) of candidate logits against reference logits."""
+            what: str, every_gate: bool = True) -> tuple[dict, list]:
+    """(gated metrics, failures named after ``what``) of candidate logits against reference logits. ``every_gate``
+    False (a few positions, e.g. one per row): only each position's KL (the class's max_kl) and top-1 are gated;
+    a mean, a p95 or a cosine over so few tokens is one token's figure."""
     overall = logits_metrics(reference, candidate)
-    metrics, failures = gated_classes(position_stats(reference, candidate), classes, gates, what)
+    kl_gates = ("mean_kl", "p95_kl", "max_kl") if every_gate else ("max_kl",)
+    metrics, failures = gated_classes(position_stats(reference, candidate), classes, gates, what, kl_gates)
     metrics = {"all": overall, **metrics}
-    if not overall["cosine"] >= gates["cosine"]:
+    if every_gate and not overall["cosine"] >= gates["cosine"]:
         failures.insert(0, f"{what}: cosine = {overall['cosine']:.6f} (gate {gates['cosine']})")
     return metrics, failures
 
@@ -705,7 +726,8 @@ def build_report(official: dict, ours: torch.Tensor, gates: dict, consistency_ga
     b, s = ours.shape[:2]
     classes = position_classes(b, s, window)
     every, failures = compare(reference, ours, classes, gates, "every position")
-    last, last_failures = compare(returned, ours[:, -1], classes.view(b, s)[:, -1], gates, "returned logits")
+    last, last_failures = compare(returned, ours[:, -1], classes.view(b, s)[:, -1], gates, "returned logits",
+                                  every_gate=False)
     rel_l2 = ((reference[:, -1] - returned).norm() / returned.norm()).item()
     failures += last_failures
     if not rel_l2 <= consistency_gate:
@@ -752,12 +774,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", help="bf16 (the official inference code is bf16-only)")
     p.add_argument("--mode", choices=["whole", "streamed"], default="whole")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    classes = " and ".join(f"{name} {gates}" for name, gates in CLASS_GATES.items())
-    p.add_argument("--max-mean-kl", type=float, help=f"mean per-token KL of every position class (default: {classes})")
+    p.add_argument("--max-mean-kl", type=float,
+                   help=f"mean per-token KL of every position class (default per --weights and class: {CLASS_GATES})")
     p.add_argument("--max-p95-kl", type=float, help="p95 per-token KL of every position class")
     p.add_argument("--max-token-kl", type=float, help="largest per-token KL of every position class")
-    p.add_argument("--min-cosine", type=float, default=DEFAULT_GATES["cosine"])
-    p.add_argument("--min-top1", type=float, default=DEFAULT_GATES["top1"],
+    p.add_argument("--min-cosine", type=float, help=f"default per --weights: {COSINE_GATES}")
+    p.add_argument("--min-top1", type=float, default=TOP1_GATE,
                    help="top-1 agreement at the positions whose official top-1 margin exceeds --top1-margin")
     p.add_argument("--top1-margin", type=float, default=TOP1_MARGIN,
                    help="official top-1 minus runner-up logit above which a top-1 flip counts (below: near-tie, "
@@ -810,8 +832,10 @@ def main(argv=None) -> int:
         return 0
     run_ours = run_ours_streamed if opts.mode == "streamed" else run_ours_whole
     ours = run_ours(opts.checkpoint, ids, opts.device)
-    gates = default_gates()
-    gates.update(cosine=opts.min_cosine, top1=opts.min_top1, top1_margin=opts.top1_margin)
+    gates = default_gates(opts.weights)
+    gates.update(top1=opts.min_top1, top1_margin=opts.top1_margin)
+    if opts.min_cosine is not None:
+        gates["cosine"] = opts.min_cosine
     for key, value in (("mean_kl", opts.max_mean_kl), ("p95_kl", opts.max_p95_kl), ("max_kl", opts.max_token_kl)):
         if value is not None:
             for name in CLASS_NAMES:
