@@ -91,25 +91,27 @@ CLASS_NAMES = ("in_window", "past_window")
 # Top-1 agreement is counted only at decisive positions, where the official top-1 logit leads the runner-up by more
 # than TOP1_MARGIN: bf16 rounding moves the gap between two logits by up to `gap_noise` (position_stats), so a flip
 # between two logits closer than that is rounding, not a bug. Near-tie positions are reported, not gated.
-# 0.6 = the 99th percentile of gap_noise measured on the tiny text fixture (0.585 over 7,216 positions: 22 prompts
-# of conversion/checker_prompts.json, 16-512 tokens, both --weights); the largest margin measured to flip was 0.42,
-# and no decisive position flipped (top-1 1.0 on every prompt).
+# 0.6 ~ the 99th percentile of gap_noise measured on the tiny text fixture (bf16 0.50, released 0.65; 3,608
+# positions each: the 22 prompts of conversion/checker_prompts.json, 16-512 tokens, BOS first). The largest margin
+# measured to flip was 0.42, and no decisive position flipped (top-1 1.0 on every prompt).
 TOP1_MARGIN = 0.6
 NOISE_RIVALS = 32  # the reference's logits after its top-1 whose gap to it the noise figure follows
-# Per --weights and position class: 3x the worst figure measured on those 22 prompts (conversion/calibrate_checker.py),
-# rounded up. --weights released carries the official FP8 activation path's own rounding (about 2x the KL of bf16).
-# Measured worst, bf16: in_window mean 3.6e-4 / p95 1.6e-3 / max 5.2e-3, past_window 4.0e-4 / 2.0e-3 / 1.7e-2, cosine
-# 0.99965; released: in_window 1.04e-3 / 5.0e-3 / 1.2e-2, past_window 8.5e-4 / 3.9e-3 / 2.2e-2, cosine 0.99927.
-# The injected bugs of tests/test_compare_with_official.py (64 tokens, bf16) reach past_window mean 2.3e-3-2.7e-3,
-# p95 6.6e-3-7.2e-3, cosine 0.9976-0.9977. The V4.1 fixed gates (GATES["bf16"]: mean 1e-3, p95 2e-3) fail honest
-# code on some of these prompts: a random tiny model's near-uniform tails make its per-token KL noisier.
+# Per --weights and position class: 3x the worst figure over those 22 prompts (conversion/calibrate_checker.py, CPU,
+# the official code with its CPU kernels), rounded. --weights released carries the official FP8 activation path's
+# own rounding (about 2x the KL of bf16). Worst measured {mean / p95 / max} per-token KL:
+#   bf16      in_window 3.6e-4 / 2.1e-3 / 5.2e-3   past_window 4.0e-4 / 1.9e-3 / 1.7e-2   cosine 0.99966
+#   released  in_window 1.0e-3 / 5.0e-3 / 1.2e-2   past_window 8.5e-4 / 3.9e-3 / 2.2e-2   cosine 0.99927
+# The fixed V4.1 gates (GATES["bf16"]: mean 1e-3, p95 2e-3) fail honest code on some of these prompts: a random tiny
+# model's near-uniform tails make its per-token KL noisy. The bugs of tests/test_compare_with_official.py (golden
+# inputs, 2 x 64 tokens) fail these gates; subtler ones (a Reindex layer run as Reuse, the window one token short)
+# stay inside the tiny model's prompt-to-prompt noise here and are left to the fp32 parity tests (tests/parity).
 CLASS_GATES = {
-    "bf16": {"in_window": {"mean_kl": 1.1e-3, "p95_kl": 5e-3, "max_kl": 1.6e-2},
+    "bf16": {"in_window": {"mean_kl": 1.1e-3, "p95_kl": 6.3e-3, "max_kl": 1.6e-2},
              "past_window": {"mean_kl": 1.2e-3, "p95_kl": 6e-3, "max_kl": 5e-2}},
     "released": {"in_window": {"mean_kl": 3.2e-3, "p95_kl": 1.5e-2, "max_kl": 3.5e-2},
                  "past_window": {"mean_kl": 2.6e-3, "p95_kl": 1.2e-2, "max_kl": 6.6e-2}},
 }
-COSINE_GATES = {"bf16": 0.999, "released": 0.998}  # 1 - cosine: 3x the worst measured 3.5e-4 / 7.3e-4
+COSINE_GATES = {"bf16": 0.999, "released": 0.998}  # 1 - cosine: ~3x (2.9x, 2.7x) the worst measured 3.4e-4 / 7.3e-4
 TOP1_GATE = GATES["bf16"]["top1"]  # at decisive positions (measured 1.0)
 CONSISTENCY_GATE = 1e-5
 BLOCK = 32  # FP8 weight scales cover 32 x 32 blocks; FP4 / Engram scales 32 columns of one row
