@@ -2,20 +2,20 @@
 
     python conversion/calibrate_checker.py --checkpoint SNAPSHOT --inference-dir OFFICIAL \\
         --official-config ARGS.json [--kernels KERNEL.py] [--prompts conversion/checker_prompts.json] \\
-        [--weights released bf16] [--device cpu] --out calibration.json
+        [--weights released bf16] [--mode whole] [--device cpu] --out calibration.json
 
 For every prompt of the prompts file (its text at its ``seq_len`` tokens, BOS first) and every ``--weights``
-setting, runs the checker's official prefill and our model (``--mode whole``; ours once per prompt: it reads the
-same exactly decoded weights in both settings), then records
+setting, runs the checker's official prefill and our model (``--mode whole`` or ``streamed``, as the checker; ours
+once per prompt and mode: it reads the same exactly decoded weights in both settings), then records
 
 * the checker's report with its default gates (``passed``, failures, every metric);
 * per position: KL(official || ours), the official top-1 margin (top-1 minus runner-up logit), the largest
   change of a logit gap to the official top-1 (``gap_noise``: a top-1 flip needs ``gap_noise > margin``),
   top-1 agreement and the position's class;
 
-and writes it as JSON, with a summary (per class and weights: the largest mean / p95 / max KL over the prompts,
-the largest ``gap_noise``, and the prompts that fail their default gates). The gates in compare_with_official.py
-(``TOP1_MARGIN``, ``CLASS_GATES``) state the measured figures they are a multiple of.
+and writes it as JSON, with a summary per --weights and --mode (per class: the largest mean / p95 / max KL over
+the prompts; the largest ``gap_noise``; the prompts that fail their default gates). The gates in
+compare_with_official.py (``TOP1_MARGIN``, ``CLASS_GATES``) state the measured figures they are a multiple of.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_with_official as tool  # noqa: E402
+import compare_with_official as tool
 
 
 def per_position(reference: torch.Tensor, candidate: torch.Tensor, window: int) -> dict:
@@ -42,8 +42,8 @@ def per_position(reference: torch.Tensor, candidate: torch.Tensor, window: int) 
 
 def summarize(runs: list[dict]) -> dict:
     summary = {}
-    for weights in sorted({run["weights"] for run in runs}):
-        mine = [run for run in runs if run["weights"] == weights]
+    for weights, mode in sorted({(run["weights"], run.get("mode", "whole")) for run in runs}):
+        mine = [run for run in runs if (run["weights"], run.get("mode", "whole")) == (weights, mode)]
         entry = {"prompts": len(mine), "failed": [run["prompt"] for run in mine if not run["report"]["passed"]]}
         for name in tool.CLASS_NAMES:
             rows = [run["report"]["every_position"]["classes"].get(name) for run in mine]
@@ -60,7 +60,7 @@ def summarize(runs: list[dict]) -> dict:
             "near_tie_positions": sum(m <= tool.TOP1_MARGIN for m, _ in margins),
             "cosine_min": min(run["report"]["every_position"]["all"]["cosine"] for run in mine),
         })
-        summary[weights] = entry
+        summary[f"{weights} {mode}"] = entry
     return summary
 
 
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=Path, default=Path(__file__).resolve().parent / "checker_prompts.json")
     p.add_argument("--only", nargs="*", help="prompt names to run (default: all)")
     p.add_argument("--weights", nargs="+", choices=sorted(tool.WEIGHTS), default=sorted(tool.WEIGHTS))
+    p.add_argument("--mode", choices=["whole", "streamed"], default="whole", help="how our model runs (the checker's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True)
     opts = p.parse_args(argv)
@@ -80,16 +81,16 @@ def main(argv=None) -> int:
     if opts.only:
         prompts = [prompt for prompt in prompts if prompt["name"] in opts.only]
     runs = json.loads(opts.out.read_text())["runs"] if opts.out.is_file() else []
-    done = {(run["prompt"], run["weights"]) for run in runs}
+    done = {(run["prompt"], run["weights"], run.get("mode", "whole")) for run in runs}
     for prompt in prompts:
-        todo = [w for w in opts.weights if (prompt["name"], w) not in done]
+        todo = [w for w in opts.weights if (prompt["name"], w, opts.mode) not in done]
         if not todo:
             continue
         ours = None
         for weights in todo:
             base = ["--checkpoint", str(opts.checkpoint), "--inference-dir", str(opts.inference_dir),
                     "--text", prompt["text"], "--seq-len", str(prompt["seq_len"]), "--weights", weights,
-                    "--device", opts.device]
+                    "--mode", opts.mode, "--device", opts.device]
             if opts.official_config:
                 base += ["--official-config", str(opts.official_config)]
             if opts.kernels:
@@ -102,16 +103,17 @@ def main(argv=None) -> int:
             official_s = time.monotonic() - start
             if ours is None:
                 start = time.monotonic()
-                ours = tool.run_ours_whole(checker.checkpoint, ids, opts.device)
+                run_ours = tool.run_ours_streamed if opts.mode == "streamed" else tool.run_ours_whole
+                ours = run_ours(checker.checkpoint, ids, opts.device)
                 ours_s = time.monotonic() - start
             report = tool.build_report(official, ours, tool.default_gates(weights), tool.CONSISTENCY_GATE,
                                        tool.sliding_window(checker.checkpoint))
             reference = official["hidden"].float().cpu() @ official["head"].T
-            runs.append({"prompt": prompt["name"], "weights": weights, "seq_len": ids.shape[1],
+            runs.append({"prompt": prompt["name"], "weights": weights, "mode": opts.mode, "seq_len": ids.shape[1],
                          "seconds": {"official": round(official_s, 1), "ours": round(ours_s, 1)},
                          "report": report,
                          "positions": per_position(reference, ours, tool.sliding_window(checker.checkpoint))})
-            print(f"{prompt['name']:>14} {weights:>8} s={ids.shape[1]:>3} official {official_s:5.1f}s "
+            print(f"{prompt['name']:>14} {weights:>8} {opts.mode:>8} s={ids.shape[1]:>3} official {official_s:5.1f}s "
                   f"ours {ours_s:5.1f}s {'PASS' if report['passed'] else 'FAIL ' + '; '.join(report['failures'])}",
                   flush=True)
             opts.out.write_text(json.dumps({"runs": runs, "summary": summarize(runs)}, indent=1) + "\n")

@@ -68,7 +68,8 @@ MUTANTS = [
            (TRITON_TESTS, "-k", "gather_sum"), "MoE combine: the last expert of each token left out"),
     # Triton: SwiGLU
     Mutant("swiglu_fwd_no_clamp", TRITON, "            g = tl.minimum(g, limit)\n        w = tl.load",
-           "            g = g\n        w = tl.load", (TRITON_TESTS, "-k", "swiglu"), "SwiGLU forward: the gate not clamped"),
+           "            g = g\n        w = tl.load", (TRITON_TESTS, "-k", "swiglu"),
+           "SwiGLU forward: the gate not clamped"),
     Mutant("swiglu_bwd_silu_derivative", TRITON, "(s * (1.0 + gc * (1.0 - s)))", "s",
            (TRITON_TESTS, "-k", "swiglu"), "SwiGLU backward: silu' = sigmoid"),
     Mutant("swiglu_bwd_clamp_passes_gradient", TRITON, "dg = tl.where(g <= limit, dg, 0.0)", "dg = dg",
@@ -78,7 +79,8 @@ MUTANTS = [
            (f"{GPU}/test_fused_elementwise_gpu.py", f"{GPU}/test_tile_kernels_gpu.py"),
            "mHC mix dx: the hi x lo product of bf16x3 dropped"),
     Mutant("mix_dx_coef_sign", TRITON, "(acc - c[:, None] * x)", "(acc + c[:, None] * x)",
-           (f"{GPU}/test_fused_elementwise_gpu.py", f"{GPU}/test_tile_kernels_gpu.py"), "mHC mix dx: the sign of coef x"),
+           (f"{GPU}/test_fused_elementwise_gpu.py", f"{GPU}/test_tile_kernels_gpu.py"),
+           "mHC mix dx: the sign of coef x"),
     # torch bf16x3 head GEMM (tensor cores)
     Mutant("bf16x3_lo_half_dropped", LAYERS, "return out[:, :n] + out[:, n:]", "return out[:, :n]",
            (f"{GPU}/test_gpu_model.py", "-k", "bf16x3 or emulated"), "bf16x3 GEMM: the low half's product dropped"),
@@ -125,7 +127,8 @@ MUTANTS = [
     Mutant("tilelang_indexer_no_relu", TILELANG, "r_s[m_, t] = T.max(acc[m_, t], 0) * w_s[m_]",
            "r_s[m_, t] = acc[m_, t] * w_s[m_]", ATTENTION_TESTS, "TileLang indexer: ReLU dropped"),
     Mutant("tilelang_indexer_causal_off_by_one", TILELANG, "t0 + t < (i0 + i + 1) // ratio",
-           "t0 + t <= (i0 + i + 1) // ratio", ATTENTION_TESTS, "TileLang indexer: one compressed entry too many visible"),
+           "t0 + t <= (i0 + i + 1) // ratio", ATTENTION_TESTS,
+           "TileLang indexer: one compressed entry too many visible"),
 ]
 
 
@@ -155,7 +158,7 @@ def run_tests(args, timeout: float) -> tuple[str, str]:
     """pytest -x on ``args`` in a fresh process -> (PASS / FAIL / TIMEOUT, the first failing test or a tail)."""
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line", *args]
     try:
-        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "TIMEOUT", f"no result within {timeout:.0f} s"
     text = out.stdout + out.stderr
