@@ -153,7 +153,7 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, offi
         for name, figures in metrics["classes"].items():
             assert 0 < figures["mean_kl"] <= figures["max_kl"] <= whole["gates"][name]["max_kl"], name
         assert metrics["decisive"]["top1"] == 1.0 and metrics["decisive"]["positions"] > 0
-    assert whole["reference_rel_l2"] < 1e-6
+    assert whole["reference_rel_l2"] < 1e-6  # measured 2.9e-8; other CPUs sum fp32 GEMMs in other orders
     calls = whole["official_run"]["kernel_calls"]
     assert calls["sparse_attn"] == 9 and calls["hc_split_sinkhorn"] == 18  # per layer / per sublayer
     quantized_gemms = calls.get("fp8_gemm", 0) + calls.get("fp4_gemm", 0)

@@ -209,8 +209,8 @@ def main(argv=None) -> int:
         start = time.monotonic()
         status, detail = run_tests(files, opts.timeout)
         report(f"baseline (unmutated) {' '.join(files)}: {status} {detail} ({time.monotonic() - start:.0f} s)")
-        if status != "PASS" or "skipped" in detail:
-            report("the unmutated tree must pass first, with no test skipped (a skipped test catches nothing)")
+        if status != "PASS":  # skips are allowed (a skipped test catches nothing: its mutants show SURVIVED)
+            report("the unmutated tree must pass first")
             return 1
     report(f"{'mutant':36} {'file':42} {'result':9} first failing test")
     survived = []
