@@ -86,7 +86,10 @@ MUTANTS = [
            "mHC mix dx: the sign of coef x"),
     # torch bf16x3 head GEMM (tensor cores)
     Mutant("bf16x3_lo_half_dropped", LAYERS, "return out[:, :n] + out[:, n:]", "return out[:, :n]",
-           (f"{GPU}/test_gpu_model.py", "-k", "bf16x3 or emulated"), "bf16x3 GEMM: the low half's product dropped"),
+           (f"{GPU}/test_gpu_model.py", "-k", "bf16x3 or emulated"),
+           "bf16x3 GEMM, one exact operand: the low half's product dropped"),
+    Mutant("bf16x3_a_lo_term_dropped", LAYERS, "        a_parts.append(a_lo)\n        b_parts.append(b_hi)\n", "        pass\n",
+           (f"{GPU}/test_gpu_model.py", "-k", "bf16x3 or emulated"), "bf16x3 GEMM: the a_lo x b_hi product dropped"),
     # Triton: AdamW
     Mutant("adamw_no_decay", ADAMW, "        master = master * decay\n", "", (f"{GPU}/test_optim_fused_gpu.py",),
            "AdamW: weight decay not applied"),
