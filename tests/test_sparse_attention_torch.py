@@ -50,10 +50,12 @@ def test_empty_slots_and_keyless_queries_match_dense_attention(seed):
         used[i, idx[i][idx[i] >= 0].long()] = True
     assert torch.equal(leaves[1].grad[~used], torch.zeros(int((~used).sum()), d))  # no row that only -1 names
 
-    # appending empty slots changes nothing, bit for bit
+    # appending empty slots changes nothing but the fp32 rounding of the longer reductions (their SIMD grouping):
+    # measured <= 4.8e-7 (1 ulp at |x| ~ 3; bit-identical on some CPUs); an appended slot read as row 0 errs by > 1e-1
     padded = torch.cat([idx, torch.full_like(idx, -1)], dim=-1)
     again = [t.clone().requires_grad_() for t in (q, kv, sink)]
     out_p = sparse_attention_torch(*again[:2], again[2], padded, scale)
     out_p.backward(do)
-    assert torch.equal(out_p, out)
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(again, leaves))
+    torch.testing.assert_close(out_p, out, rtol=0, atol=1e-6)
+    for name, a, b in zip(("dq", "dkv", "dsink"), again, leaves):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=name)
