@@ -97,7 +97,7 @@ CLASS_NAMES = ("in_window", "past_window")
 TOP1_MARGIN = 0.6
 NOISE_RIVALS = 32  # the reference's logits after its top-1 whose gap to it the noise figure follows
 # Per --weights and position class: 3x the worst figure over those 22 prompts (conversion/calibrate_checker.py, CPU,
-# the official code with its CPU kernels), rounded. --weights released carries the official FP8 activation path's
+# the official code with its CPU kernels; --mode streamed gives the same figures), rounded. --weights released carries the official FP8 activation path's
 # own rounding (about 2x the KL of bf16). Worst measured {mean / p95 / max} per-token KL:
 #   bf16      in_window 3.6e-4 / 2.1e-3 / 5.2e-3   past_window 4.0e-4 / 1.9e-3 / 1.7e-2   cosine 0.99966
 #   released  in_window 1.0e-3 / 5.0e-3 / 1.2e-2   past_window 8.5e-4 / 3.9e-3 / 2.2e-2   cosine 0.99927
