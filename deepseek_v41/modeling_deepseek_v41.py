@@ -780,7 +780,7 @@ def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, c
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             bad = (attention_mask != 0) & (attention_mask != 1)
-            checks.append((bad.any(), lambda: ValueError(
+            checks.append((bad.any(), lambda bad=bad: ValueError(  # bound now: the name is reused below
                 f"attention_mask must hold only 0 (padding) and 1 (token); got {attention_mask[bad][:5].tolist()}")))
         mask = attention_mask.bool()
         if past:

@@ -62,7 +62,7 @@ def test_flagship_recipe_runs_two_updates_on_cpu(tiny_checkpoint, tmp_path, monk
 def reference_losses(checkpoint, out, args, updates: int) -> list:
     """The loss of each of the first ``updates`` global batches of the recipe, in one process on the loaded
     checkpoint (the trainer's own data code picks and collates each rank's examples)."""
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
     import torch
 
@@ -84,6 +84,7 @@ def reference_losses(checkpoint, out, args, updates: int) -> list:
         for rank in range(world):
             rank_view = SimpleNamespace(recipe=recipe, model=model, tokenizer=tokenizer, rank=rank, world=world,
                                         device=torch.device("cpu"))
+            rank_view._to_device = MethodType(Trainer._to_device, rank_view)
             Trainer._build_data(rank_view)
             for indices in rank_view.sampler.micro_batches(update):
                 with torch.no_grad():

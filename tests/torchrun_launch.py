@@ -39,7 +39,10 @@ def torchrun(script, *args, nproc: int = 2, timeout: float = 300, env: dict | No
 
 def mark(text: str) -> None:
     """Worker side: print ``TEXT rank=R`` (this process's global rank)."""
-    print(f"{text} rank={os.environ.get('RANK', '0')}", flush=True)
+    # one write of the whole line: print() writes the text and the newline separately, and two ranks sharing
+    # the pipe could interleave between them ("EP OK rank=0EP OK rank=1")
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{text} rank={os.environ.get('RANK', '0')}\n".encode())
 
 
 def ranks_with(output: str, text: str) -> set[int]:
