@@ -23,15 +23,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from deepseek_v41.training import checkpointing
 from deepseek_v41.training import data as data_lib
-from deepseek_v41.training.checkpointing import Checkpointer, resolve_resume
+from deepseek_v41.training.checkpointing import Checkpointer, CheckpointVanished, resolve_resume
 from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_modules
 from deepseek_v41.training.expert_parallel import apply_expert_parallel, expert_global_mesh, routed_expert_modules
 from deepseek_v41.training.fsdp import parallelize
 from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
 from deepseek_v41.training.plan import check_layout
-from deepseek_v41.training.recipe import validate_world
+from deepseek_v41.training.recipe import RecipeError, validate_world
 from deepseek_v41.training.sharded_load import load_sharded_checkpoint
 
 
@@ -251,12 +252,31 @@ class Trainer:
             if self.recipe["checkpoint"]["resume_from"] == "latest":
                 self._print("[finetune] checkpoint.resume_from=latest: no checkpoint yet, starting at step 0")
             return 0
-        step = self.checkpointer.load(self.resume_dir, self.resume_meta)
+        step = self._load_resume_folder()
         if step > self.max_steps:
             raise ValueError(f"{self.resume_dir} is at step {step}, past this run's {self.max_steps} updates; "
                              "raise step_scheduler.max_steps")
         self._print(f"[finetune] resumed from {self.resume_dir} at step {step}")
         return step
+
+    def _load_resume_folder(self) -> int:
+        """Load ``self.resume_dir``; with ``resume_from: latest`` a folder that vanished since start-up makes way
+        for the newest intact one left (a full load replaces whatever the vanished one had loaded)."""
+        resume = self.recipe["checkpoint"]["resume_from"]
+        while True:
+            try:
+                return self.checkpointer.load(self.resume_dir, self.resume_meta)
+            except CheckpointVanished as err:
+                if resume != "latest":
+                    raise RecipeError(f"checkpoint.resume_from={resume!r}: {err}. Resume from another step_* "
+                                      "folder, or use checkpoint.resume_from=latest (the newest intact one)") from None
+                self._print(f"[finetune] resume_from=latest: {err}; falling back to the newest intact step")
+                folder, meta = resolve_resume(self.recipe, self._print)
+                if folder is None:
+                    raise RecipeError(f"resume_from=latest: {err}, and no intact step is left under "
+                                      f"{checkpointing.checkpoint_root(self.recipe)}; start again (resume_from: null starts at step "
+                                      "0 from the base checkpoint)") from None
+                self.resume_dir, self.resume_meta = folder, meta
 
     # ---- reporting ---------------------------------------------------------------------------------
     def _emit(self, metrics, record):

@@ -101,6 +101,7 @@ DEFAULTS = {
         "resume_from": None,  # None | a step_* folder | "latest" (the newest complete one, if any)
         "async_save": False,  # write in a background thread while training continues (stages shards in RAM)
         "keep_last": 0,  # keep the newest N complete step_* folders; 0 = keep all
+        "verify_checksums": True,  # resume reads every file of the step to compare its checksum; false: sizes only
     },
     "wandb": {
         "enable": False,
@@ -233,6 +234,7 @@ SCHEMA = {
     "checkpoint.export_quantize": _enum("release", none=True),
     "checkpoint.async_save": _bool(),
     "checkpoint.keep_last": _int(0, example=2),
+    "checkpoint.verify_checksums": _bool(),
     "wandb.enable": _bool(),
     "wandb.project": _str(example="deepseek-v41"),
     "wandb.name": _str(none=True),
