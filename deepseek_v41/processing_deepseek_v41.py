@@ -37,6 +37,7 @@ from .image_processing_deepseek_v41 import (
     PLAN_FIELDS,
     DeepseekV41ImageProcessor,
     DeepseekV41ImageProcessorKwargs,
+    check_images,
     open_image_source,
 )
 from .vision import TEXT, image_span_length, image_span_token_types, llm_grid
@@ -136,7 +137,10 @@ class DeepseekV41Processor(ProcessorMixin):
                 "processor.image_processor"
             )
         texts = [text] if isinstance(text, str) else list(text)
-        images = [] if images is None else make_flat_list_of_images(open_image_source(images))
+        if images is not None:
+            images = open_image_source(images)
+            check_images(images)
+        images = [] if images is None else make_flat_list_of_images(images)
         n_placeholders = [t.count(self.image_token) for t in texts]
         if sum(n_placeholders) != len(images):
             raise ValueError(

@@ -30,9 +30,9 @@ from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_mo
 from deepseek_v41.training.expert_parallel import apply_expert_parallel, expert_global_mesh, routed_expert_modules
 from deepseek_v41.training.fsdp import parallelize
 from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
-from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
+from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, describe_schedule, lr_at
 from deepseek_v41.training.plan import check_layout
-from deepseek_v41.training.recipe import RecipeError, validate_world
+from deepseek_v41.training.recipe import RecipeError, recipe_notes, validate_world
 from deepseek_v41.training.sharded_load import load_sharded_checkpoint
 
 
@@ -117,6 +117,10 @@ class Trainer:
             print(f"[finetune] the data covers {available} updates ({steps['num_epochs']} epoch(s)); "
                   f"stopping there instead of max_steps={steps['max_steps']}", flush=True)
         self.val_batches = data_lib.validation_batches(len(self.val_set), vs["local_batch_size"], self.rank, self.world)
+        schedule, warnings = describe_schedule(r["lr_scheduler"], r["optimizer"]["lr"], self.max_steps)
+        self._print(schedule)
+        for note in warnings + recipe_notes(r, self.max_steps):
+            self._print(f"[finetune] note: {note}")
 
     def _batch(self, dataset, indices):
         batch = data_lib.collate([dataset[i] for i in indices], self.pad_id,
