@@ -6,14 +6,17 @@ per core, far above a disk's write speed: ``examples/benchmarks/checkpoint_check
 algorithm from the string, so a file recorded with either is checked with the same one.
 
 ``HashingStream`` wraps a binary file opened for writing and hashes every byte passed to ``write``, so the
-checksum costs no second read of the file.
+checksum costs no second read of the file.  A large write is hashed on a helper thread while the file's own
+write runs (both release the GIL), so it costs about the longer of the two rather than their sum.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import threading
 import zlib
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 try:
     import xxhash
@@ -21,6 +24,16 @@ except ImportError:  # declared dependency; the stdlib CRC keeps checkpoints che
     xxhash = None
 
 CHUNK_BYTES = 8 << 20  # read size when verifying a file
+PARALLEL_BYTES = 1 << 20  # writes at least this large are hashed on a helper thread while they are written
+_POOL, _POOL_PID, _POOL_LOCK = None, None, threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL, _POOL_PID
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_PID != os.getpid():  # a forked child has none of its parent's threads
+            _POOL, _POOL_PID = ThreadPoolExecutor(max_workers=4, thread_name_prefix="checksum"), os.getpid()
+        return _POOL
 ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
 
 
@@ -82,12 +95,26 @@ class HashingStream:
         self.raw, self.algorithm = raw, algorithm
         self.hasher = new_hasher(algorithm)
         self.nbytes = 0
+        self.error = None  # the OSError a write raised (a caller may turn it into another error; this keeps it)
+        # a buffered file writes all it is given (or raises): only then may the hash run ahead of the write
+        self.whole_writes = isinstance(raw, io.BufferedIOBase)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        written = self.raw.write(view)
+        hashing = None
+        if self.whole_writes and len(view) >= PARALLEL_BYTES:
+            hashing = _pool().submit(self.hasher.update, view)  # the caller's buffer lives until we return
+        try:
+            written = self.raw.write(view)
+        except OSError as err:
+            self.error = err
+            raise
+        finally:
+            if hashing is not None:
+                hashing.result()
         written = len(view) if written is None else written
-        self.hasher.update(view[:written])
+        if hashing is None:
+            self.hasher.update(view[:written])
         self.nbytes += written
         return written
 
@@ -117,6 +144,3 @@ def check_enabled(env: str, default: bool = True) -> bool:
         raise ValueError(f"{env}={value!r}: use 1 (verify checksums) or 0 (skip)")
     return value == "1"
 
-
-def relative_names(folder: Path, paths) -> list[str]:
-    return sorted(str(Path(p).relative_to(folder)) for p in paths)

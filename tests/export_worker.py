@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def main(checkpoint: str, out: Path) -> None:
+    from deepseek_v41.hf_export import ExportError
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
     from deepseek_v41.training.export import export_model
     from deepseek_v41.training.loop import Trainer
@@ -36,6 +37,17 @@ def main(checkpoint: str, out: Path) -> None:
         reference.save_pretrained(out / "reference_fp")
         reference.save_pretrained(out / "reference_release", quantize="release")
         print("EXPORT DONE", flush=True)
+    dist.barrier()
+    # a NaN in one expert row held by rank 1 only: every rank refuses before anything is gathered or written
+    experts = trainer.model.layers[0].ffn.experts
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            local = experts.w1.to_local() if hasattr(experts.w1, "to_local") else experts.w1
+            local[0, 0, 0] = float("nan")
+    try:
+        export_model(trainer, out / "nan_export", None)
+    except ExportError as error:
+        print(f"NAN REFUSED on rank {dist.get_rank()}: {error}", flush=True)
     dist.barrier()
 
 

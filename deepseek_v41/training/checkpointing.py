@@ -440,6 +440,7 @@ class _HashingFileSystem(FileSystem):
     def __init__(self, folder: Path):
         super().__init__()
         self.folder, self.checksums = Path(folder), {}
+        self.error = None  # the OSError a write, fsync or close raised (torch.save reports it as a RuntimeError)
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -447,9 +448,16 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as raw:
-            stream = HashingStream(raw)
-            yield stream
+        stream = None
+        try:
+            with super().create_stream(path, mode) as raw:
+                stream = HashingStream(raw)
+                yield stream
+        except BaseException as err:
+            found = stream.error if stream is not None and stream.error is not None else err
+            if isinstance(found, OSError) and self.error is None:
+                self.error = found if found.filename else OSError(found.errno, found.strerror, str(path))
+            raise
         name = str(Path(path).relative_to(self.folder))
         # DCP writes .metadata as .metadata.tmp and renames it (rank 0, after every rank's data)
         self.checksums[name.removesuffix(".tmp") if name == ".metadata.tmp" else name] = stream.checksum()
@@ -465,14 +473,37 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         self.fs = _HashingFileSystem(Path(path))
         self.checksum_rank, self.extra = rank, extra
 
+    def _os_error(self, err: BaseException):
+        # DCP sends every rank's failure to every rank by pickling it, which drops __context__: the OSError a
+        # write raised (a full disk) is re-raised as itself, or torch.save's RuntimeError would hide it
+        cause = self.fs.error
+        if cause is None or isinstance(err, OSError):
+            return err
+        return OSError(cause.errno, f"{cause.strerror or cause} (writing {cause.filename})")
+
     def write_data(self, plan, planner):
-        written = super().write_data(plan, planner)
-        written.wait()  # FileSystemWriter writes synchronously; its future is already done
+        try:
+            written = super().write_data(plan, planner)
+            written.wait()  # FileSystemWriter writes synchronously; its future is already done
+        except Exception as err:
+            converted = self._os_error(err)
+            if converted is err:
+                raise
+            raise converted from err
         own = {**self.extra, **self.fs.checksums}
         folder = Path(self.path) / CHECKSUMS
         folder.mkdir(exist_ok=True)
         _write_synced(folder / f"rank{self.checksum_rank}.json", json.dumps(own, sort_keys=True))
         return written
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as err:
+            converted = self._os_error(err)
+            if converted is err:
+                raise
+            raise converted from err
 
 
 def _state_bytes(state: dict) -> int:

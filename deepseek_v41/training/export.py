@@ -21,7 +21,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from deepseek_v41.hf_export import TensorSource, export_config, nonfinite_error, nonfinite_tensors, write_export
+from deepseek_v41.hf_export import (
+    TensorSource,
+    export_config,
+    nonfinite_error,
+    nonfinite_tensors,
+    write_export,
+)
 from deepseek_v41.modeling_deepseek_v41 import AUTO_MAP, remote_code_files, support_files
 from deepseek_v41.training.engram_owner import engram_modules
 from deepseek_v41.training.expert_parallel import expert_rows, routed_expert_modules
