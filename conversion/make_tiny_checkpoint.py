@@ -1,7 +1,7 @@
 """Write a tiny random DeepSeek-V4.1 checkpoint in the exact released (FP8/FP4) format.
 
 The tensor set, dtypes and shard layout match the golden tiny snapshot
-(`shared/golden/v41_tiny_text/snapshot`, or `v41_tiny_vision` with `--vision-layers 2`): FP8 E4M3 linears
+(`tests/fixtures/v41_tiny_text/snapshot`, or `v41_tiny_vision` with `--vision-layers 2`): FP8 E4M3 linears
 with 32x32 UE8M0 block scales, packed FP4 routed experts with per-32 scales, FP8 Engram tables with
 per-row scales, F32 `hc_*` / `attn_sink` / gate biases, BF16 everything else. Weights are random with
 sensible scales: norm weights 1 +- 0.1, projections fan-in^-0.5, residual-branch outputs (`attn.wo_b`,

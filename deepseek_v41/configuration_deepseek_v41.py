@@ -6,6 +6,7 @@ released ``quantization_config`` is kept untouched on the outer config; ``config
 kernel-backend strings (see ``backends.py``).
 """
 
+import functools
 import math
 import warnings
 
@@ -13,6 +14,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .backends import resolve_backend
+from .engram_hashing import engram_primes
 
 
 class DeepseekV41TextConfig(PretrainedConfig):
@@ -143,9 +145,8 @@ class DeepseekV41TextConfig(PretrainedConfig):
         self.hc_sinkhorn_iters = hc_sinkhorn_iters
         self.hc_eps = hc_eps
         self.engram_layer_ids = list(engram_layer_ids) if engram_layer_ids is not None else [1, 14]
-        self.engram_num_embeddings = (
-            list(engram_num_embeddings) if engram_num_embeddings is not None else [384006168, 384016682]
-        )
+        # None: each table's rows follow from its hash primes (_engram_table_rows), once the fields are checked
+        self.engram_num_embeddings = list(engram_num_embeddings) if engram_num_embeddings is not None else None
         self.engram_max_ngram_size = engram_max_ngram_size
         self.engram_vocab_size = engram_vocab_size
         self.engram_n_heads = engram_n_heads
@@ -162,6 +163,8 @@ class DeepseekV41TextConfig(PretrainedConfig):
         self.dspark_n_routed_experts = dspark_n_routed_experts
         self.dspark_num_experts_per_tok = dspark_num_experts_per_tok
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        if self.engram_num_embeddings is None:
+            self.engram_num_embeddings = _engram_table_rows(self)
         check_config_values(self)
         self.validate_layout()
 
@@ -396,7 +399,8 @@ def _check_text(c, p="text_config.") -> None:
         _need(isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value), p + name, value,
               "must be a list of non-negative integers")
     _need(len(c.engram_num_embeddings) == len(c.engram_layer_ids), p + "engram_num_embeddings",
-          c.engram_num_embeddings, f"needs one table size per engram_layer_ids entry ({c.engram_layer_ids})")
+          c.engram_num_embeddings, f"needs one table size per engram_layer_ids entry ({c.engram_layer_ids}); "
+          "leave it out to take each table's size from its hash primes")
     _need(_is_int(c.candidate_source_layer_id) and c.candidate_source_layer_id >= -1, p + "candidate_source_layer_id",
           c.candidate_source_layer_id, "must be a layer index or -1 (none)")
     yarn = c.rope_scaling
@@ -407,6 +411,27 @@ def _check_text(c, p="text_config.") -> None:
     _need(yarn["rope_type"] == "yarn", p + "rope_scaling.rope_type", yarn["rope_type"], "V4.1 uses 'yarn'")
     _ints(yarn, p + "rope_scaling.", "original_max_position_embeddings", 1)
     _floats(yarn, p + "rope_scaling.", "factor beta_fast beta_slow", 0)
+
+
+def _engram_table_rows(c, p="text_config.") -> list:
+    """``engram_num_embeddings`` when only the layer ids are given: a layer's table has as many rows as the sum
+    of its (max_ngram_size - 1) * n_heads hash primes (architecture.md §9.2), which for the released layer ids
+    [1, 14] are the released [384006168, 384016682]; no Engram layers, no tables."""
+    _need(isinstance(c.engram_layer_ids, list) and all(_is_int(v) and v >= 0 for v in c.engram_layer_ids),
+          p + "engram_layer_ids", c.engram_layer_ids, "must be a list of non-negative integers")
+    if not c.engram_layer_ids:
+        return []
+    _ints(c, p, "engram_vocab_size engram_n_heads", 1)
+    _ints(c, p, "engram_max_ngram_size", 2)  # n-grams of 2 .. max_ngram_size tokens
+    return list(_prime_sums(tuple(c.engram_layer_ids), c.engram_max_ngram_size, c.engram_n_heads,
+                            c.engram_vocab_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _prime_sums(layer_ids: tuple, max_ngram_size: int, n_heads: int, vocab_size: int) -> tuple:
+    # the released sizes take ~50 ms of prime search: once per process
+    primes = engram_primes(layer_ids, max_ngram_size, n_heads, vocab_size)
+    return tuple(int(primes[layer].sum()) for layer in layer_ids)
 
 
 def _check_vision(c, p="vision_config.") -> None:

@@ -36,11 +36,13 @@ logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # a label that counts for nothing (padding, prompt tokens)
 
-# What an exported folder's config.json maps the Auto classes to (the flat remote-code files).
+# What an exported folder's config.json maps the Auto classes to (the flat remote-code files). The causal LM is also
+# the image-text-to-text model (it embeds images itself), as the package registers it locally.
 AUTO_MAP = {
     "AutoConfig": "configuration_deepseek_v41.DeepseekV41Config",
     "AutoModel": "modeling_deepseek_v41.DeepseekV41Model",
     "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
+    "AutoModelForImageTextToText": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
 }
 
 

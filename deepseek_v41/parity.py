@@ -74,7 +74,7 @@ def set_agreement(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     return (candidate.sort(-1).values == reference.sort(-1).values).all(-1).float().mean().item()
 
 
-# ---- golden fixtures (shared/golden/<fixture>/reference/golden.safetensors) ----
+# ---- golden fixtures (tests/fixtures/<fixture>/reference/golden.safetensors) ----
 
 
 def model_inputs(g) -> dict:

@@ -16,19 +16,25 @@ conversations: system, user and assistant messages with text and image parts, ch
 ``developer``/``latest_reminder``/``tool`` roles, tasks, ``reasoning_effort``, keeping earlier reasoning --
 should be rendered with the official ``encoding_dsv4.py`` encoder into a string first, then passed to the
 processor as ``text`` (with ``IMAGE_PLACEHOLDER`` where images go).
+
+``DeepseekV41Tokenizer`` is the tokenizer ``AutoTokenizer`` gives for a DeepSeek-V4.1 folder once the package is
+imported: the released ``tokenizer.json`` as is, with this chat template when the folder brings none (a released
+checkpoint's tokenizer files carry no template; an export's ``chat_template.jinja`` holds this same template).
 """
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import ClassVar
 
-from transformers import AutoProcessor
+from transformers import AutoProcessor, PreTrainedTokenizerFast
 from transformers.image_processing_utils import BatchFeature
 from transformers.image_utils import make_flat_list_of_images
 
 # from its module: `transformers.AutoImageProcessor` is a placeholder that raises without torchvision in some 5.x
 # releases (5.17 among them), and this image processor needs only PIL
+from transformers.models.auto import tokenization_auto
 from transformers.models.auto.image_processing_auto import AutoImageProcessor
 from transformers.processing_utils import MultiModalData, ProcessingKwargs, ProcessorMixin, Unpack
 
@@ -41,6 +47,8 @@ from .image_processing_deepseek_v41 import (
     open_image_source,
 )
 from .vision import TEXT, image_span_length, image_span_token_types, llm_grid
+
+logger = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 # What save_pretrained writes and from_pretrained needs (chat_template.jinja is optional: CHAT_TEMPLATE is the default).
@@ -100,6 +108,23 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
 )
+
+
+class DeepseekV41Tokenizer(PreTrainedTokenizerFast):
+    """The DeepSeek-V4 byte-level BPE tokenizer (``tokenizer.json``, loaded as ``PreTrainedTokenizerFast`` does) whose
+    ``from_pretrained`` falls back to ``CHAT_TEMPLATE`` when the folder has no chat template, so
+    ``apply_chat_template`` and the text-generation pipeline take chat messages on a released checkpoint. A template
+    the folder brings (``chat_template.jinja``, ``tokenizer_config.json``) or the caller passes wins."""
+
+    # no __init__ of its own: transformers then loads tokenizer.json as it is (a subclass defining __init__ is
+    # rebuilt from vocabulary and merges instead)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        tokenizer = super().from_pretrained(*args, **kwargs)
+        if tokenizer.chat_template is None:
+            tokenizer.chat_template = CHAT_TEMPLATE
+        return tokenizer
 
 
 # batches are padded to the longest row unless padding=False
@@ -282,6 +307,29 @@ class DeepseekV41Processor(ProcessorMixin):
         return ["input_ids", "attention_mask", "vision_token_types", "pixel_values", "image_grid_hws"]
 
 
+def register_tokenizer():
+    """Make ``AutoTokenizer`` give ``DeepseekV41Tokenizer`` for a folder whose config is DeepSeek-V4.1, also when its
+    ``tokenizer_config.json`` names a generic class (the release names ``PreTrainedTokenizerFast``).
+
+    ``AutoTokenizer.register`` alone is not enough there: a ``tokenizer_class`` in ``tokenizer_config.json`` wins over
+    the model type's registered class, except for the model types transformers lists in
+    ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`` (e.g. phi3, llava), whose class comes from
+    ``TOKENIZER_MAPPING_NAMES`` by name; the model type joins both (transformers 5.17 to 5.25 route this way)."""
+    auto_tokenizer = tokenization_auto.AutoTokenizer
+    auto_tokenizer.register(DeepseekV41Config, tokenizer_class=DeepseekV41Tokenizer, exist_ok=True)
+    names = getattr(tokenization_auto, "TOKENIZER_MAPPING_NAMES", None)
+    overridden = getattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", None)
+    if not isinstance(names, dict) or not isinstance(overridden, set):
+        logger.warning(
+            "this transformers release routes tokenizer classes differently: AutoTokenizer on a released DeepSeek-V4.1 "
+            "folder gives a tokenizer without the chat template; load it with DeepseekV41Tokenizer.from_pretrained "
+            "or AutoProcessor, or pass chat_template=deepseek_v41.processing_deepseek_v41.CHAT_TEMPLATE"
+        )
+        return
+    names[DeepseekV41Config.model_type] = DeepseekV41Tokenizer.__name__
+    overridden.add(DeepseekV41Config.model_type)
+
+
 def register_processors():
     """Make ``AutoImageProcessor``/``AutoProcessor`` find these classes locally, and have ``save_pretrained``
     copy their code and write ``auto_map`` (for ``trust_remote_code=True`` without this package)."""
@@ -293,4 +341,10 @@ def register_processors():
     DeepseekV41Processor.register_for_auto_class("AutoProcessor")
 
 
-__all__ = ["IMAGE_PLACEHOLDER", "DeepseekV41Processor", "register_processors"]
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "DeepseekV41Processor",
+    "DeepseekV41Tokenizer",
+    "register_processors",
+    "register_tokenizer",
+]

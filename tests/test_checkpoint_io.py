@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import add_nested_parameters
+from conftest import add_nested_parameters, golden_dir
 from torch import nn
 
 import deepseek_v41.checkpoint as ckpt
@@ -27,7 +27,6 @@ from deepseek_v41.hf_export import TensorSource, export_config, local_source, wr
 from deepseek_v41.release_format import encode_fp8_blockwise
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 
 
 def load_tool(name: str):
@@ -77,7 +76,7 @@ def stored_layout(directory: Path) -> dict:
 
 @pytest.mark.parametrize("tag, vision_layers", [("v41_tiny_text", 0), ("v41_tiny_vision", 2)])
 def test_tiny_checkpoint_has_the_golden_layout(tmp_path, tag, vision_layers):
-    golden = SHARED / "golden" / tag / "snapshot"
+    golden = golden_dir(tag) / "snapshot"
     out = tmp_path / "tiny"
     make_tiny.main(["--out", str(out), "--seed", "3", "--vision-layers", str(vision_layers)])
     assert stored_layout(out) == stored_layout(golden)  # names, dtypes, shapes, shard of every tensor
@@ -293,7 +292,7 @@ def test_streaming_writer_matches_safetensors(tmp_path):
 def test_convert_checks_against_the_real_model_and_reloads(tmp_path):
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
 
-    golden = SHARED / "golden" / "v41_tiny_text" / "snapshot"
+    golden = golden_dir("v41_tiny_text") / "snapshot"
     out = tmp_path / "converted"
     report = convert_tool.convert(golden, out)  # default: DeepseekV41ForCausalLM built on the meta device
     assert not report.missing and not report.unexpected

@@ -1,7 +1,8 @@
 """conversion/compare_with_official.py end to end against the official DeepSeek-V4.1 inference code.
 
-``../shared/official_v41/`` holds the official ``model.py`` and ``engram.py`` (byte-identical to the release)
-and ``kernel.py``, pure-PyTorch CPU kernels written independently of deepseek_v41. The checker runs them
+The official inference code is not part of the repository: ``DS41_OFFICIAL_DIR`` names its folder (the official
+``model.py`` and ``engram.py``, byte-identical to the release, and ``kernel.py``, pure-PyTorch CPU kernels written
+independently of deepseek_v41); without it the tests that run it skip. The checker runs them
 unmodified on the golden tiny text snapshot in every mode it offers (whole / streamed, decoded bf16 / released
 FP8-FP4 weights) and must pass its gates; with a small real bug injected into our model it must fail them.
 """
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, SHARED, golden_dir
+from conftest import REPO, golden_dir, official_dir
 from safetensors.torch import load_file
 
 from deepseek_v41 import attention
@@ -21,7 +22,6 @@ sys.path.insert(0, str(REPO / "conversion"))
 import compare_with_official as tool
 
 SEQ = 64  # the golden inputs whole (2 rows): the official runs stored in golden.safetensors used them
-OFFICIAL = SHARED / "official_v41"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,9 +73,12 @@ def tokenizer_work_once():
 
 
 @pytest.fixture(scope="module")
+def official():
+    return official_dir()
+
+
+@pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    if not (OFFICIAL / "model.py").is_file():
-        pytest.skip(f"the official inference code {OFFICIAL} is not present")
     golden = golden_dir("v41_tiny_text")
     stored = load_file(str(golden / "reference" / "golden.safetensors"))
     ids_file = tmp_path_factory.mktemp("inputs") / "input_ids.json"
@@ -84,10 +87,10 @@ def paths(tmp_path_factory):
             "ids": ids_file, "golden": stored}
 
 
-def run_checker(tmp_path, paths, *extra):
+def run_checker(tmp_path, paths, official, *extra):
     report = tmp_path / "report.json"
     code = tool.main([
-        "--checkpoint", str(paths["snapshot"]), "--inference-dir", str(OFFICIAL),
+        "--checkpoint", str(paths["snapshot"]), "--inference-dir", str(official),
         "--official-config", str(paths["args"]), "--input-ids-file", str(paths["ids"]), "--seq-len", str(SEQ),
         "--device", "cpu", "--report", str(report), *extra,
     ])
@@ -113,20 +116,21 @@ def assert_same_run_up_to_cpu_rounding(ours: torch.Tensor, stored: torch.Tensor)
 
 
 @pytest.mark.parametrize("weights", ["bf16", "released"])
-def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, weights, monkeypatch):
+def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, official, weights, monkeypatch):
     # --kernels names a file explicitly (here a copy of the independent CPU kernels): its six kernels run.
     kernels = tmp_path / "my_kernels.py"
-    kernels.write_text((OFFICIAL / "kernel.py").read_text())
-    official, build_report = [], tool.build_report
-    monkeypatch.setattr(tool, "build_report", lambda run, *args: official.append(run) or build_report(run, *args))
-    code, whole = run_checker(tmp_path, paths, "--weights", weights, "--mode", "whole", "--kernels", str(kernels))
+    kernels.write_text((official / "kernel.py").read_text())
+    runs, build_report = [], tool.build_report
+    monkeypatch.setattr(tool, "build_report", lambda run, *args: runs.append(run) or build_report(run, *args))
+    code, whole = run_checker(tmp_path, paths, official, "--weights", weights, "--mode", "whole",
+                              "--kernels", str(kernels))
     # The checker's official run (its own weight reading and decoding) is the stored official run, up to the
     # CPU's own rounding (see assert_same_run_up_to_cpu_rounding).
     tag = {"bf16": "bf16w_bf16", "released": "fp8w_bf16"}[weights]
-    assert_same_run_up_to_cpu_rounding(official[0]["hidden"], paths["golden"][f"{tag}.final_hidden"])
+    assert_same_run_up_to_cpu_rounding(runs[0]["hidden"], paths["golden"][f"{tag}.final_hidden"])
     if weights == "bf16":
         # fp32 logits of that hidden state: 9.5e-7 apart at most where one hidden element was 1 ulp apart
-        torch.testing.assert_close(official[0]["returned"], paths["golden"]["bf16w_bf16.logits_last"],
+        torch.testing.assert_close(runs[0]["returned"], paths["golden"]["bf16w_bf16.logits_last"],
                                    rtol=0, atol=1e-5)
     print(weights, "whole", json.dumps({k: whole[k] for k in ("every_position", "returned_logits")}))
     assert code == 0 and whole["passed"] and not whole["failures"]
@@ -162,7 +166,7 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, weig
 
     monkeypatch.setattr(tool.OfficialStreamer, "load_block", spy_block)
     monkeypatch.setattr(tool, "load_our_modules", spy_ours)
-    code, streamed = run_checker(tmp_path, paths, "--weights", weights, "--mode", "streamed")
+    code, streamed = run_checker(tmp_path, paths, official, "--weights", weights, "--mode", "streamed")
     assert code == 0 and streamed["passed"]
     assert all(live == {str(i)} for i, live in official_live) and len(official_live) == 9 + 2  # + 2 Engram
     assert len(ours_loaded) == 1 + 9  # embed / norm / head, then one block at a time
@@ -194,9 +198,9 @@ def scale_exponent_off_by_one(monkeypatch):
 
 
 @pytest.mark.parametrize("bug", [rope_rotating_backwards, scale_exponent_off_by_one])
-def test_a_bug_in_our_model_fails_the_gates(tmp_path, paths, bug, monkeypatch):
+def test_a_bug_in_our_model_fails_the_gates(tmp_path, paths, official, bug, monkeypatch):
     bug(monkeypatch)  # the official side reads the snapshot with safetensors: only our side changes
-    code, report = run_checker(tmp_path, paths, "--weights", "bf16", "--mode", "whole")
+    code, report = run_checker(tmp_path, paths, official, "--weights", "bf16", "--mode", "whole")
     print(bug.__name__, json.dumps({k: report[k] for k in ("every_position", "returned_logits", "failures")}))
     assert code == 1 and not report["passed"]
     assert any(f.startswith("every position: mean_kl") for f in report["failures"]), report["failures"]
@@ -208,8 +212,9 @@ def test_a_bug_in_our_model_fails_the_gates(tmp_path, paths, bug, monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 
 
-def test_fp32_and_weight_overrides_are_refused(paths):
-    base = ["--checkpoint", str(paths["snapshot"]), "--inference-dir", str(OFFICIAL), "--official-config",
+def test_fp32_and_weight_overrides_are_refused(paths, tmp_path):
+    # refused while parsing, before the inference folder (here an empty one) is read
+    base = ["--checkpoint", str(paths["snapshot"]), "--inference-dir", str(tmp_path), "--official-config",
             str(paths["args"]), "--input-ids-file", str(paths["ids"])]
     with pytest.raises(SystemExit, match="bf16-only"):
         tool.main([*base, "--dtype", "fp32"])
@@ -247,9 +252,9 @@ def test_official_side_weights_are_decoded_independently_and_exactly(paths):
     assert {"F8_E4M3", "I8", "BF16", "F32"} <= formats
 
 
-def test_official_model_args_grow_and_check_against_the_snapshot(paths):
-    tool.install_kernels(OFFICIAL / "kernel.py")
-    module = tool.import_official_model(OFFICIAL)
+def test_official_model_args_grow_and_check_against_the_snapshot(paths, official):
+    tool.install_kernels(official / "kernel.py")
+    module = tool.import_official_model(official)
     text_config = json.loads((paths["snapshot"] / "config.json").read_text())["text_config"]
     args, _ = tool.official_model_args(module, paths["args"], {"dtype": "bf16"}, 3, 300, text_config)
     assert (args.max_batch_size, args.max_seq_len, args.dtype) == (3, 300, "bf16")

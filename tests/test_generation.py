@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, SHARED, golden_dir
+from conftest import REPO, golden_dir, official_dir
 from safetensors.torch import load_file
 
 from deepseek_v41.cache_deepseek_v41 import DeepseekV41Cache, cache_bytes_per_token
@@ -128,11 +128,15 @@ def test_decode_equals_full_forward_bf16(model_bf16, golden_ids):
         assert logits_metrics(full, cached)["mean_kl"] <= 1e-3
 
 
-def official_model(snapshot, ours, max_seq_len):
-    """The official model.py (bf16, CPU kernels of ../shared/official_v41) with our loaded bf16 weights."""
-    official = SHARED / "official_v41"
-    tool.install_kernels(official / "kernel.py")  # its `from kernel import ...` gets the CPU kernels
-    module = tool.import_official_model(official)
+@pytest.fixture(scope="module")
+def official_code():
+    return official_dir()
+
+
+def official_model(official_code, snapshot, ours, max_seq_len):
+    """The official model.py (bf16, the CPU kernels of its folder) with our loaded bf16 weights."""
+    tool.install_kernels(official_code / "kernel.py")  # its `from kernel import ...` gets the CPU kernels
+    module = tool.import_official_model(official_code)
     from transformers import AutoTokenizer
 
     args = json.loads((snapshot.parent / "reference" / "official_args.json").read_text())
@@ -159,15 +163,15 @@ def official_model(snapshot, ours, max_seq_len):
 
 
 @torch.no_grad()
-def test_greedy_decode_matches_official_incremental_decode(snapshot, model_bf16, golden_ids):
+def test_greedy_decode_matches_official_incremental_decode(official_code, snapshot, model_bf16, golden_ids):
     # The official decode (start_pos > 0, its own window / compressed / indexer caches) differs from the official
     # prefill of the same tokens by up to KL 3e-3 on single steps here (bf16 roundings in other places), and once
     # picks another token on a near tie.  Ours (= our full forward) is compared with both, on the official greedy
     # tokens: within the bf16 gates of the official decode over the run, no step further from it than the
     # official prefill gets over the run, and the same greedy tokens wherever the official agrees with itself.
     prompt, steps = golden_ids[:1, :20], 32
-    official = official_model(snapshot, model_bf16, max_seq_len=64)
-    official_prefill = official_model(snapshot, model_bf16, max_seq_len=64)
+    official = official_model(official_code, snapshot, model_bf16, max_seq_len=64)
+    official_prefill = official_model(official_code, snapshot, model_bf16, max_seq_len=64)
     tokens, decoded = prompt, []
     _, logits, _ = official(prompt, 0)
     for step in range(steps + 1):

@@ -14,8 +14,8 @@ from deepseek_v41.vision import image_span_length, llm_grid
 
 
 @pytest.fixture(scope="module")
-def fixture_dir(shared_dir):
-    return shared_dir / "golden" / "v41_tiny_vision"
+def fixture_dir(vision_fixture_dir):
+    return vision_fixture_dir
 
 
 @pytest.fixture(scope="module")

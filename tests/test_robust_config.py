@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import golden_config_dict, tiny_config
+from conftest import TINY_TEXT, golden_config_dict, tiny_config
 
 from deepseek_v41 import DeepseekV41Config
 from deepseek_v41.configuration_deepseek_v41 import DeepseekV41TextConfig, DeepseekV41VisionConfig
@@ -133,3 +133,42 @@ def test_truncated_tokenizer_file_the_model_reads_is_named(tmp_path):
     config._name_or_path = str(tmp_path)
     with pytest.raises(ValueError, match=rf"{tmp_path / 'tokenizer.json'} is not a readable tokenizer.json"):
         resolve_engram_tokenizer(config)
+
+
+# ---- Engram tables: engram_num_embeddings follows engram_layer_ids unless spelled out ----------------------
+
+
+def test_engram_off_with_only_the_layer_ids():
+    """The README's way to build without Engram: ``engram_layer_ids=[]`` alone (no table sizes)."""
+    config = DeepseekV41Config(text_config={"engram_layer_ids": []})
+    assert config.text_config.engram_layer_ids == [] and config.text_config.engram_num_embeddings == []
+    assert DeepseekV41Config.from_dict(config.to_dict()).text_config.engram_num_embeddings == []
+
+
+def test_engram_table_sizes_follow_the_hash_primes():
+    # the released sizes are the released layers' prime sums (architecture.md §9.2)
+    assert DeepseekV41TextConfig().engram_num_embeddings == [384006168, 384016682]
+    # a table's primes depend on its position in engram_layer_ids (the primes are drawn in that order)
+    assert DeepseekV41TextConfig(engram_layer_ids=[5]).engram_num_embeddings == [384006168]
+    assert DeepseekV41TextConfig(engram_layer_ids=[3, 7]).engram_num_embeddings == [384006168, 384016682]
+    tiny = {k: v for k, v in TINY_TEXT.items() if k != "engram_num_embeddings"}
+    assert DeepseekV41TextConfig(**tiny).engram_num_embeddings == TINY_TEXT["engram_num_embeddings"]
+    assert DeepseekV41TextConfig(**{**tiny, "engram_layer_ids": [4]}).engram_num_embeddings == [1464]
+
+
+@pytest.mark.parametrize("layer_ids, sizes", [([], [384006168, 384016682]), ([1, 14], [384006168]), (None, [5])])
+def test_spelled_out_table_sizes_that_do_not_match_the_layers_are_refused(layer_ids, sizes):
+    text = {"engram_num_embeddings": sizes} | ({} if layer_ids is None else {"engram_layer_ids": layer_ids})
+    with pytest.raises(ValueError, match=r"^text_config\.engram_num_embeddings = .*one table size per "
+                                         r"engram_layer_ids entry .*leave it out"):
+        DeepseekV41Config(text_config=text)
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("engram_layer_ids", [1, "4"], "list of non-negative integers"),
+    ("engram_max_ngram_size", 1, "integer >= 2"),
+    ("engram_vocab_size", 0, "integer >= 1"),
+])
+def test_bad_engram_hash_fields_are_named_before_the_sizes_are_derived(field, value, rule):
+    with pytest.raises(ValueError, match=rf"^text_config\.{field} = .*{rule}"):
+        DeepseekV41TextConfig(**{field: value})

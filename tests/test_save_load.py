@@ -39,7 +39,7 @@ def test_export_layout(exported):
     model, folder = exported
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config
-    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageTextToText"}
     assert config["text_config"]["rope_scaling"]["rope_type"] == "yarn"
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     assert "layers.3.ffn.experts.5.w2.weight" in index and "layers.3.ffn.experts.w2" not in index

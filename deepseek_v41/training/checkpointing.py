@@ -43,11 +43,15 @@ makes ``latest`` fall back to the previous intact step (an explicit ``resume_fro
 """
 
 import base64
+import dataclasses
+import enum
 import errno
 import hashlib
+import importlib
 import io
 import json
 import os
+import pathlib
 import pickle
 import random
 import re
@@ -124,18 +128,51 @@ def check_identity(folder, meta: dict, recipe: dict) -> None:
 # ---- verification --------------------------------------------------------------------------------
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle: allow only DCP's metadata classes, torch dtypes/sizes and paths."""
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+# the path classes pickle from ``pathlib`` up to Python 3.12 and from ``pathlib._local`` from 3.13 on; both
+# names resolve to this interpreter's ``pathlib`` class, so a checkpoint saved on 3.13 resumes on 3.12 too
+_PATH_MODULES = ("pathlib", "pathlib._local")
+_PATH_CLASSES = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
 
-    ALLOWED = {
-        ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    }
+
+def _dcp_class(module: str, name: str):
+    """One of DCP's own metadata dataclasses or enums (``Metadata``, ``_StorageInfo``, ``_MEM_FORMAT_ENCODING``,
+    ...), looked up by its plain name, else ``None``.  A dotted name would walk the module's imports (``os``,
+    ``torch``) under protocol 4, so it never matches."""
+    if module not in _DCP_MODULES or "." in name or name.startswith("__"):
+        return None
+    cls = getattr(importlib.import_module(module), name, None)
+    if isinstance(cls, type) and cls.__module__ == module and (
+            dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
+        return cls
+    return None
+
+
+def _enum_member(cls, name):
+    """Stands in for ``builtins.getattr``: early Python 3.11 releases (Debian 12's 3.11.2) pickle an enum member
+    as ``getattr(EnumClass, "NAME")``; 3.10, later 3.11 (3.11.7) and 3.12+ write ``EnumClass(value)``.  Only
+    a DCP enum and one of its member names pass."""
+    if (isinstance(cls, enum.EnumMeta) and _dcp_class(cls.__module__, cls.__name__) is cls
+            and isinstance(name, str) and name in cls.__members__):
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not part of DCP's metadata: only a member of "
+                                 "DCP's own enums may be looked up by name")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: allow only DCP's metadata dataclasses and enums (members by value or
+    by name), torch dtypes/sizes/layouts, paths and ``OrderedDict``."""
+
+    ALLOWED = frozenset({("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")})
 
     def find_class(self, module, name):
-        if module == "torch.distributed.checkpoint.metadata" and not name.startswith("__"):
-            return super().find_class(module, name)
+        cls = _dcp_class(module, name)
+        if cls is not None:
+            return cls
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
+        if module in _PATH_MODULES and name in _PATH_CLASSES:
+            return getattr(pathlib, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) in self.ALLOWED:

@@ -9,7 +9,8 @@ attention for the prefill) at each ``--contexts`` length: the prefill time, then
 token (``--recompute-steps`` of them, at the context length), and the cache's bytes per token (measured: tensors held / context;
 steady state: ``cache_bytes_per_token``).  Logits of the last position only (``logits_to_keep=1``).
 
-    python examples/benchmarks/decode.py --device cpu --checkpoint PATH/v41_tiny_text/snapshot
+    python tests/golden_fixtures.py materialize GOLDEN  # the repository's golden fixtures, complete, in GOLDEN
+    python examples/benchmarks/decode.py --device cpu --checkpoint GOLDEN/v41_tiny_text/snapshot
     python examples/benchmarks/decode.py --device cuda [--contexts 4096 32768]
 """
 

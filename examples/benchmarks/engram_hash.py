@@ -43,7 +43,7 @@ def forward_comparison(ids, hasher, args) -> list[str]:
     from deepseek_v41 import DeepseekV41Config
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41Model
 
-    golden = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "v41_tiny_text" / "snapshot"
+    golden = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "v41_tiny_text" / "snapshot"
     config = DeepseekV41Config(**json.loads((golden / "config.json").read_text()))
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count())

