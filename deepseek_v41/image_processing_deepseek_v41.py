@@ -106,7 +106,7 @@ def check_images(images) -> None:
             if image.ndim == 3 and (shape[-1] == 3 or shape[0] == 3) and min(shape) > 0:
                 if dtype in (np.uint8, torch.uint8):
                     continue
-                problem = f"an array of dtype {dtype} (8-bit values are expected: convert to uint8 0-255)"
+                problem = f"an array of dtype {dtype}: expected an RGB uint8 image (convert to uint8 0-255)"
             elif image.ndim == 3 and 0 in shape:
                 problem = f"an empty array of shape {shape}"
             elif image.ndim == 3:

@@ -262,7 +262,7 @@ def test_bad_path_or_bytes_are_named(tiny_processor, tmp_path):
     (np.zeros((20, 20), np.uint8), r"image 1 is a 2-D array of shape \(20, 20\)"),
     (None, r"image 1 is None"),
     (7, r"image 1 is of type int \(7\)"),
-    (np.zeros((20, 20, 3), np.float32), r"image 1 is an array of dtype float32 \(8-bit values are expected"),
+    (np.zeros((20, 20, 3), np.float32), r"image 1 is an array of dtype float32: expected an RGB uint8 image"),
     (np.zeros((0, 20, 3), np.uint8), r"image 1 is an empty array of shape \(0, 20, 3\)"),
 ])
 def test_unsupported_images_are_named_with_the_accepted_forms(tiny_processor, bad, message):

@@ -29,11 +29,11 @@ def test_shipped_recipes_parse(monkeypatch):
 
 
 def test_dotted_overrides_are_typed():
-    overrides = parse_overrides(["--model.config.pretrained_model_name_or_path=/x", "--optimizer.lr", "2e-4",
+    overrides = parse_overrides(["--model.config.pretrained_model_name_or_path=/x", "--optimizer.lr", "2e-3",
                                  "--model.config.backend.attn=torch", "--wandb.enable=true"])
     recipe = load_recipe(CONFIGS / "tiny_cpu.yaml", overrides)
     assert recipe["model"]["config"]["pretrained_model_name_or_path"] == "/x"
-    assert recipe["optimizer"]["lr"] == 2e-4
+    assert recipe["optimizer"]["lr"] == 2e-3
     assert recipe["model"]["config"]["backend"]["attn"] == "torch"
     assert recipe["model"]["config"]["backend"]["dispatcher"] == "torch"  # the rest of the section is kept
     assert recipe["wandb"]["enable"] is True
