@@ -184,7 +184,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         cls, pretrained_model_name_or_path=None, *model_args, config=None, dtype="auto", backend=None, tokenizer=None,
         device=None, device_map=None, max_memory=None, revision=None, cache_dir=None, local_files_only=False,
         token=None, force_download=False, subfolder="", use_safetensors=None, low_cpu_mem_usage=None,
-        dequantize_base_checkpoint=None, adapter_kwargs=None, **kwargs,
+        dequantize_base_checkpoint=None, adapter_kwargs=None, verify_checksums=None, **kwargs,
     ):
         """Load a released-format (FP8/FP4, dequantized here) or floating-point checkpoint.
 
@@ -196,7 +196,9 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         ``"sequential"`` (accelerate's planner, whole blocks per device, ``max_memory`` honoured) or a dict
         {module name: device} covering the model without splitting a block; blocks on several devices run one
         after the other (pipelined inference, no overlap).  A Hub repo id is downloaded with ``revision``,
-        ``cache_dir``, ``local_files_only``, ``token``, ``force_download``.
+        ``cache_dir``, ``local_files_only``, ``token``, ``force_download``.  ``verify_checksums`` (default: on,
+        or ``DEEPSEEK_V41_VERIFY_CHECKSUMS``): an export of ours records each shard's checksum in its index, and
+        a shard whose bytes changed is refused, named, before a tensor is read from it; ``False`` skips the reads.
         """
         from .checkpoint import load_checkpoint_into_model
 
@@ -232,7 +234,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             raise TypeError(
                 f"from_pretrained got unexpected keyword arguments {sorted(kwargs)}: they are neither loading options "
                 "(dtype, device, device_map, max_memory, backend, tokenizer, revision, cache_dir, local_files_only, "
-                "token, force_download, subfolder, use_safetensors, low_cpu_mem_usage, dequantize_base_checkpoint) "
+                "token, force_download, subfolder, use_safetensors, low_cpu_mem_usage, dequantize_base_checkpoint, "
+                "verify_checksums) "
                 "nor config fields"
             )
         config._name_or_path = str(path)
@@ -248,7 +251,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         materialize(model, placement)
         # The backbone (AutoModel) loads a causal-LM checkpoint without its head; nothing else may be left over.
         report = load_checkpoint_into_model(
-            model, path, strict=cls._with_head, dequantize_base_checkpoint=config.dequantize_base_checkpoint
+            model, path, strict=cls._with_head, dequantize_base_checkpoint=config.dequantize_base_checkpoint,
+            verify_checksums=verify_checksums,
         )
         leftover = sorted(set(report.unexpected) - {"head.weight"}) + sorted(report.missing)
         if leftover:

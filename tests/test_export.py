@@ -4,6 +4,7 @@ export on 2 gloo ranks (equal to save_pretrained, memory near one block per rank
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,9 +275,10 @@ def test_release_encoders_refuse_instead_of_saturating(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_shard_checksums_are_recorded_and_verified(model, tmp_path):
+def test_shard_checksums_are_recorded_and_verified(model, tmp_path, monkeypatch):
     """Each shard's checksum (computed while writing) is in the index; bytes changed without changing the size
-    fail the load naming the shard, before any tensor is read from it; verify_checksums=False skips the check."""
+    fail the load (``load_checkpoint_into_model`` and ``from_pretrained``) naming the shard, before any tensor is
+    read from it; ``verify_checksums=False`` or DEEPSEEK_V41_VERIFY_CHECKSUMS=0 skip the check."""
     from deepseek_v41.checkpoint import CheckpointError, load_checkpoint_into_model
     from deepseek_v41.checksums import checksum_of_file
 
@@ -295,10 +297,21 @@ def test_shard_checksums_are_recorded_and_verified(model, tmp_path):
     data[a : a + 8], data[b : b + 8] = data[b : b + 8], data[a : a + 8]
     damaged.write_bytes(data)
     reloaded = DeepseekV41ForCausalLM._from_config(model.config, tokenizer=model.engram_tokenizer)
-    with pytest.raises(CheckpointError, match=rf"shard {damaged} has checksum xxh3_64:\w+ but "
-                                              r"model.safetensors.index.json recorded xxh3_64:\w+"):
+    named = rf"shard {damaged} has checksum xxh3_64:\w+ but model.safetensors.index.json recorded xxh3_64:\w+"
+    with pytest.raises(CheckpointError, match=named):
         load_checkpoint_into_model(reloaded, out)
     load_checkpoint_into_model(reloaded, out, verify_checksums=False)  # the bytes are read as they are
+    with pytest.raises(CheckpointError, match=named):
+        DeepseekV41ForCausalLM.from_pretrained(out)
+    skipped = DeepseekV41ForCausalLM.from_pretrained(out, verify_checksums=False)
+    monkeypatch.setenv("DEEPSEEK_V41_VERIFY_CHECKSUMS", "0")
+    by_env = DeepseekV41ForCausalLM.from_pretrained(out)
+    for name, value in skipped.state_dict().items():  # the swapped words are loaded as they are, both ways
+        assert torch.equal(value, by_env.state_dict()[name]), name
+    assert any(not torch.equal(value, model.state_dict()[name]) for name, value in skipped.state_dict().items())
+    monkeypatch.setenv("DEEPSEEK_V41_VERIFY_CHECKSUMS", "no")
+    with pytest.raises(ValueError, match=r"DEEPSEEK_V41_VERIFY_CHECKSUMS='no': use 1 \(verify checksums\) or 0"):
+        DeepseekV41ForCausalLM.from_pretrained(out)
 
 
 @pytest.mark.parametrize("exchange", [True, False])
@@ -450,6 +463,12 @@ def test_two_rank_export_equals_save_pretrained(tiny_checkpoint, tmp_path):
         assert (f"NAN REFUSED on rank {rank}: tensor 'layers.0.ffn.experts.w1' holds nan at [0, 0, 0] (1 non-finite"
                 in out), out[-3000:]
     assert "(index within rank 1's rows)" in out and not (tmp_path / "nan_export").exists()
+    # a shard of our export damaged (same size), compared by rank 1: every rank stops naming it, nothing loaded
+    damaged, shards = re.search(r"DAMAGED (\S+) of (\d+) shards", out).groups()
+    assert int(shards) > 1
+    for rank in (0, 1):
+        assert (f"DAMAGED SHARD REFUSED on rank {rank} (weights untouched: True): shard {damaged} has checksum "
+                in out), out[-3000:]
     for kind in ("fp", "release"):
         assert_same_tensors(tensors_of(tmp_path / f"sharded_{kind}"), tensors_of(tmp_path / f"reference_{kind}"))
         sharded = json.loads((tmp_path / f"sharded_{kind}" / "config.json").read_text())

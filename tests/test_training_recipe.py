@@ -144,10 +144,10 @@ def test_finetune_takes_the_recipe_positionally_or_as_config():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"lr_scheduler.lr_decay_steps": 0}, r"lr_decay_steps=0 is not after lr_warmup_steps=10: .* min_lr=0.0003 "
-                                         r"from update 11 on"),
-    ({"lr_scheduler.lr_decay_steps": 0, "lr_scheduler.lr_warmup_steps": 0}, r"lr_decay_steps=0 is not after "
-                                                                            r"lr_warmup_steps=0"),
+    ({"lr_scheduler.lr_decay_steps": 0},
+     r"lr_decay_steps=0 is not after lr_warmup_steps=10: .* min_lr=0.0003 from update 11 on"),
+    ({"lr_scheduler.lr_decay_steps": 0, "lr_scheduler.lr_warmup_steps": 0},
+     r"lr_decay_steps=0 is not after lr_warmup_steps=0"),
     ({"lr_scheduler.lr_decay_steps": 10}, r"lr_decay_steps=10 is not after lr_warmup_steps=10"),
     ({"lr_scheduler.min_lr": 0.01}, r"min_lr=0.01 is above optimizer.lr=0.003"),
     ({"checkpoint.export_quantize": "release"}, r"export_quantize=release has no effect without checkpoint.export_dir"),
@@ -168,8 +168,8 @@ def test_the_resolved_schedule_and_unused_settings_are_printed():
     text, warnings = describe_schedule(recipe["lr_scheduler"], recipe["optimizer"]["lr"], 4)
     assert text == ("[finetune] learning rate: warmup 0 -> 0.003 over updates 1-11, cosine decay to 0.0003 by update "
                     "101, then 0.0003; this run: 4 updates at 0 .. 0.0009 .. 0.0009 (first, peak, last)")
-    assert warnings == ["the run ends during the warmup (lr_warmup_steps=10 >= 4 updates): the peak lr 0.003 is "
-                        "never reached (highest 0.0009); lower lr_warmup_steps to train at the peak"]
+    assert warnings == [("the run ends during the warmup (lr_warmup_steps=10 >= 4 updates): the peak lr 0.003 is "
+                         "never reached (highest 0.0009); lower lr_warmup_steps to train at the peak")]
     _, warnings = describe_schedule(recipe["lr_scheduler"], recipe["optimizer"]["lr"], 50)
     assert warnings[0].startswith("the run ends before the decay does (lr_decay_steps=100 >= 50 updates)")
     assert describe_schedule(recipe["lr_scheduler"], recipe["optimizer"]["lr"], 101)[1] == []

@@ -345,7 +345,7 @@ def test_a_folder_vanishing_while_it_is_checked_is_named(saved, tmp_path, monkey
     """A step folder removed while ``latest`` checks it: skipped with a message, never a raw FileNotFoundError."""
     from deepseek_v41.training import checkpointing as ck
 
-    tmp, root = saved
+    _, root = saved
     for step in (2, 3):
         shutil.copytree(root / f"step_{step:08d}", tmp_path / f"step_{step:08d}")
     read = ck.read_dcp_metadata

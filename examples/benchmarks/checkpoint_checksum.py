@@ -13,14 +13,17 @@ parameter (bf16, the fp32 islands) and the ``RemainderAdamW`` state of every tra
   ``dcp.load`` into tensors of the same shapes on the device;
 * resume with checksums: the same with ``verify=True`` (every file read and hashed once more, before the load).
 
-Rounds alternate the two modes (a fresh folder each, removed after its resume, so one checkpoint is on disk at
-a time).  ``--cold`` evicts the step's files from the page cache before each resume (``posix_fadvise``
+A warm-up round of each mode comes first (not counted: first allocations, first page-cache fill); the
+counted rounds alternate the two modes (a fresh folder each, removed after its resume, so one checkpoint is on
+disk at a time).  The table gives mean seconds, the state's GB/s (state bytes / seconds, against the disk's
+measured write speed) and the overhead of checksums (on / off - 1); the last line is the same as JSON.  ``--cold`` evicts the step's files from the page cache before each resume (``posix_fadvise``
 DONTNEED, no root needed), so its reads come from the disk; without it they come from memory (just written).
 Before the rounds: the disk's sequential write speed (64 MiB writes then fsync) and the hashes' speed on one
 buffer (XXH3-64, the one used; ``zlib.crc32``, the fallback).
 
     python examples/benchmarks/checkpoint_checksum.py --device cuda --dir /path/on/the/checkpoint/disk
-    python examples/benchmarks/checkpoint_checksum.py --device cpu --hidden 512 --rounds 3   # a CPU-sized proxy
+    python examples/benchmarks/checkpoint_checksum.py --device cpu --layers 2 --experts 8 --hidden 256 \
+        --write-test-gib 0.25 --hash-test-mib 256     # a CPU-sized proxy
 """
 
 import argparse
@@ -38,13 +41,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import proxy_config  # noqa: E402
+from train_step import proxy_config
 
-from deepseek_v41.backends import DEFAULT_BACKEND  # noqa: E402
-from deepseek_v41.checksums import ALGORITHM, xxhash  # noqa: E402
-from deepseek_v41.hf_export import fsync_path  # noqa: E402
-from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype  # noqa: E402
-from deepseek_v41.training.checkpointing import (  # noqa: E402
+from deepseek_v41.backends import DEFAULT_BACKEND
+from deepseek_v41.checksums import ALGORITHM, xxhash
+from deepseek_v41.hf_export import fsync_path
+from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
+from deepseek_v41.training.checkpointing import (
     CHECKSUMS,
     FORMAT,
     META,
@@ -107,8 +110,7 @@ def write_speed(folder: Path, total: int, chunk: int = 64 << 20) -> float:
     path = folder / "write_speed.bin"
     start = time.perf_counter()
     with open(path, "wb") as f:
-        for _ in range(total // chunk):
-            f.write(buffer)
+        f.writelines(buffer for _ in range(total // chunk))
         f.flush()
         os.fsync(f.fileno())
     seconds = time.perf_counter() - start
@@ -116,7 +118,7 @@ def write_speed(folder: Path, total: int, chunk: int = 64 << 20) -> float:
     return total // chunk * chunk / seconds / GB
 
 
-def hash_speeds(size: int = 1 << 30) -> dict:
+def hash_speeds(size: int) -> dict:
     """GB/s of each hash over one ``size``-byte buffer (best of 3)."""
     data = os.urandom(size)
     speeds = {}
@@ -195,7 +197,9 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="evict the files from the page cache before resumes")
-    parser.add_argument("--write-test-gib", type=float, default=2.0)
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted rounds of each mode first")
+    parser.add_argument("--write-test-gib", type=float, default=2.0, help="bytes of the disk's write-speed test")
+    parser.add_argument("--hash-test-mib", type=int, default=1024, help="buffer of the hash-speed test")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -211,23 +215,26 @@ def main() -> None:
           f"{f', hidden {args.hidden}' if args.hidden else ''}); checkpoints in {root}; checksum {ALGORITHM}",
           flush=True)
     disk = write_speed(root, int(args.write_test_gib * 2**30))
-    hashes = hash_speeds()
+    hashes = hash_speeds(args.hash_test_mib << 20)
     print(f"disk sequential write (64 MiB writes + fsync): {disk:.2f} GB/s; hash speed on one core: "
           + ", ".join(f"{k} {v:.2f} GB/s" for k, v in hashes.items()), flush=True)
 
     target = {k: torch.empty_like(v) for k, v in state.items()}
     times = {(kind, mode): [] for kind in ("save", "resume", "verify") for mode in (False, True)}
     try:
-        for round_ in range(args.rounds):
+        for round_ in range(-args.warmup, args.rounds):
             for mode in ((False, True) if round_ % 2 == 0 else (True, False)):
-                folder = root / f"step_{round_:04d}{'_sum' if mode else ''}"
-                times["save", mode].append(save(state, folder, mode, device))
+                folder = root / f"step_{round_ + args.warmup:04d}{'_sum' if mode else ''}"
+                saved = save(state, folder, mode, device)
                 total, checked = resume(folder, target, mode, device, args.cold)
-                times["resume", mode].append(total)
-                times["verify", mode].append(checked)
                 shutil.rmtree(folder)
-                print(f"round {round_} checksums {'on ' if mode else 'off'}: save {times['save', mode][-1]:.2f} s, "
-                      f"resume {total:.2f} s (checks {checked:.2f} s)", flush=True)
+                name = "warm-up" if round_ < 0 else f"round {round_}"
+                print(f"{name} checksums {'on ' if mode else 'off'}: save {saved:.2f} s, resume {total:.2f} s "
+                      f"(checks {checked:.2f} s)", flush=True)
+                if round_ >= 0:
+                    times["save", mode].append(saved)
+                    times["resume", mode].append(total)
+                    times["verify", mode].append(checked)
         assert all(torch.equal(target[k], state[k]) for k in state), "the resumed state differs"
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -235,13 +242,18 @@ def main() -> None:
     result = {"device": str(device), "state_gb": round(size / GB, 3), "tensors": len(state), "rounds": args.rounds,
               "cold": args.cold, "disk_write_gb_s": round(disk, 3), "hash_gb_s": {k: round(v, 3) for k, v in hashes.items()}}
     print()
-    print(f"{'':22s} {'checksums off':>14s} {'checksums on':>13s} {'overhead':>9s}")
+    print(f"{'':22s} {'checksums off':>22s} {'checksums on':>22s} {'overhead':>9s}")
     for kind in ("save", "resume"):
         off, on = statistics.mean(times[kind, False]), statistics.mean(times[kind, True])
-        result[kind] = {"off_s": round(off, 3), "on_s": round(on, 3), "overhead_pct": round(100 * (on / off - 1), 1)}
-        print(f"{kind + ' (mean, s)':22s} {off:14.2f} {on:13.2f} {100 * (on / off - 1):8.1f} %")
-    print(f"{'  of which checks (s)':22s} {statistics.mean(times['verify', False]):14.2f} "
-          f"{statistics.mean(times['verify', True]):13.2f}")
+        rate_off, rate_on = size / off / GB, size / on / GB
+        result[kind] = {"off_s": round(off, 3), "on_s": round(on, 3), "off_gb_s": round(rate_off, 3),
+                        "on_gb_s": round(rate_on, 3), "overhead_pct": round(100 * (on / off - 1), 1)}
+        print(f"{kind + ' (mean)':22s} {off:8.2f} s {rate_off:6.2f} GB/s {on:8.2f} s {rate_on:6.2f} GB/s "
+              f"{100 * (on / off - 1):7.1f} %")
+    print(f"{'  of which checks':22s} {statistics.mean(times['verify', False]):8.2f} s {'':11s}"
+          f"{statistics.mean(times['verify', True]):8.2f} s")
+    print(f"save GB/s as a fraction of the disk's measured write speed ({disk:.2f} GB/s): "
+          f"off {result['save']['off_gb_s'] / disk:.2f}, on {result['save']['on_gb_s'] / disk:.2f}")
     print(json.dumps(result))
 
 
