@@ -220,8 +220,9 @@ def _damage(path: Path, nbytes: int, random_bytes: bool = False) -> None:
 
 def test_damaged_and_vanishing_steps_fall_back_and_a_full_disk_is_explained(saved, tmp_path):
     """Issue 43, end to end on 2 ranks.  ``latest`` over steps 2-4 with 4 KiB of step 4 zeroed (same size) and
-    step 3 deleted after the start-up checks, just before its load: the run names the damaged file, falls back
-    past both to step 2, and its updates 3-4 equal the straight run's bit for bit.  Then a run whose disk fills
+    step 3 deleted after it was checked, just before its load: step 4 passes the start-up checks (sizes), its
+    checksums fail while it loads (the file named), the fallback skips it (checked in full), step 3 vanishes, and
+    the run resumes from step 2, its updates 3-4 equal to the straight run's bit for bit.  Then a run whose disk fills
     during its first save: every rank stops with an error naming the folder and the bytes the step needs, and
     the partial ``.tmp`` folder is gone."""
     tmp, root = saved
@@ -233,7 +234,9 @@ def test_damaged_and_vanishing_steps_fall_back_and_a_full_disk_is_explained(save
     result = launch(tmp, out, "--checkpoint.resume_from=latest", worker="vanish_then_disk_full", check=False,
                     then=[run_args(tmp, full, 2, "--checkpoint.save_every_steps=1")])
     text = result.stdout
-    assert f"skipping {ckpts / 'step_00000004'}: {ckpts / 'step_00000004' / '__0_0.distcp'} has checksum" in text, text
+    damaged = ckpts / "step_00000004" / "__0_0.distcp"
+    assert f"resume_from=latest: {damaged} has checksum" in text and "the state loaded from it is discarded" in text
+    assert f"skipping {ckpts / 'step_00000004'}: {damaged} has checksum" in text, text
     assert f"DELETED {ckpts / 'step_00000003'}" in text
     assert f"{ckpts / 'step_00000003'} is gone or incomplete since it was checked" in text, text[-3000:]
     assert "falling back to the newest intact step" in text
@@ -316,7 +319,9 @@ def test_same_size_damage_is_caught_by_checksums(saved, tmp_path):
     """Issue 43: 4 KiB zeroed in the middle of one rank's file, 64 random bytes in the other's: every size and
     tensor-record start still passes, only the checksums see it.  ``latest`` falls back past both damaged steps,
     naming the files; an explicit ``resume_from`` names the file; ``verify_checksums: false`` reads nothing and
-    says the folder was checked by size only."""
+    says the folder was checked by size only; checks deferred to the load (the trainer's way) fail it there."""
+    import torch
+
     from deepseek_v41.training import checkpointing as ck
     from deepseek_v41.training.recipe import RecipeError
 
@@ -339,6 +344,22 @@ def test_same_size_damage_is_caught_by_checksums(saved, tmp_path):
     folder, _ = ck.resolve_resume(_recipe(tmp, **{"checkpoint.resume_from": str(four),
                                                   "checkpoint.verify_checksums": False}), log.append)
     assert folder == four and "checked by size only" in log[0]
+    # deferred to the load (as the trainer does): sizes now, checksums compared while DCP reads the tensors
+    folder, meta = ck.resolve_resume(_recipe(tmp, **{"checkpoint.resume_from": str(four)}), defer_checksums=True)
+    assert folder == four
+
+    def empty_state(folder):
+        md = ck.read_dcp_metadata(folder).state_dict_metadata
+        return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items() if hasattr(m, "size")}
+
+    with pytest.raises(ck.CheckpointDamaged, match=rf"{four / '__0_0.distcp'} has checksum .* the state loaded from "
+                                                   "it is discarded"):
+        ck.load_verified(empty_state(four), four, meta, verify=True, no_dist=True)
+    loaded, intact = empty_state(four), empty_state(root / "step_00000004")
+    ck.load_verified(loaded, four, meta, verify=False, no_dist=True)  # unchecked: the zeroed bytes come back
+    ck.load_verified(intact, root / "step_00000004", meta, verify=True, no_dist=True)
+    differ = [k for k in intact if not torch.equal(loaded[k], intact[k])]
+    assert len(differ) == 1, differ  # the 4 KiB zeroed lie inside one tensor
 
 
 def test_a_folder_vanishing_while_it_is_checked_is_named(saved, tmp_path, monkeypatch):
@@ -462,17 +483,17 @@ def _worker(case: str, argv: list) -> None:
 
         loop.Trainer._resume = resume_and_save
     elif case == "vanish_then_disk_full":
-        # the first load's folder is deleted (by rank 0) after the start-up checks, just before it is read
+        # step 3's folder is deleted (by rank 0) after it was checked, just before it is read
         load = checkpointing.Checkpointer.load
 
-        def load_after_vanishing(self, folder, meta):
-            if not getattr(self, "vanished", False):
+        def load_after_vanishing(self, folder, meta, *args, **kwargs):
+            if Path(folder).name == "step_00000003" and not getattr(self, "vanished", False):
                 self.vanished = True
                 if dist.get_rank() == 0:
                     shutil.rmtree(folder)
                     print(f"DELETED {folder}", flush=True)
                 dist.barrier()
-            return load(self, folder, meta)
+            return load(self, folder, meta, *args, **kwargs)
 
         checkpointing.Checkpointer.load = load_after_vanishing
         # the disk is full while a step of a run under .../FULL is written: each rank's file takes 1 MB, then

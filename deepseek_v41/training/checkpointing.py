@@ -21,9 +21,10 @@ what a resume must not change, the data position, every file's size and checksum
 (``deepseek_v41.checksums``: XXH3-64) are computed from the bytes as each file is written (no second read):
 every rank writes its files' checksums to ``checksums/rank{r}.json`` before DCP's commit collective, and rank 0
 merges them (and ``.metadata``'s) into ``meta.json``.  A resume verifies them, each rank reading its share of
-the files: a file whose bytes changed without changing size (zeroed blocks, flipped bits) fails, named, and
-``resume_from: latest`` falls back to the previous complete step (``checkpoint.verify_checksums: false`` skips
-the reads).  A save is written into
+the files on helper threads while DCP loads (the reads overlap the load rather than adding a pass before it): a
+file whose bytes changed without changing size (zeroed blocks, flipped bits) fails, named, on every rank once
+the load is done, and ``resume_from: latest`` falls back to the previous step whose checksums all match,
+loaded in full again (``checkpoint.verify_checksums: false`` skips the reads).  A save is written into
 ``step_{step:08d}.tmp``; once every rank's files are written and fsynced (DCP ``sync_files``), rank 0 writes
 ``meta.json``, fsyncs it and the folder, and renames the folder into place.  A crash or ``kill -9`` before
 that rename leaves only a ``.tmp`` folder, which ``resume_from: latest`` never picks.  ``latest`` also skips
@@ -352,16 +353,19 @@ def latest_checkpoint(root, log=print, verify: bool = True) -> Path | None:
     return None
 
 
-def resolve_resume(recipe: dict, log=print) -> tuple:
+def resolve_resume(recipe: dict, log=print, defer_checksums: bool = False) -> tuple:
     """``checkpoint.resume_from`` -> (folder, its meta.json), or (None, None) to start from the base checkpoint.
 
+    ``defer_checksums``: check sizes and metadata now and leave the checksums to the load (``Checkpointer.load``
+    with ``verify=True`` compares them while it reads); otherwise every file is read and compared now.
     Collective when a process group is up (the ranks share the checksum reads and agree on the folder)."""
     resume = recipe["checkpoint"]["resume_from"]
     verify = recipe["checkpoint"].get("verify_checksums", True)
+    check_now = verify and not defer_checksums
     if resume is None:
         return None, None
     if resume == "latest":
-        folder = latest_checkpoint(checkpoint_root(recipe), log, verify)
+        folder = latest_checkpoint(checkpoint_root(recipe), log, check_now)
     else:
         folder = Path(resume)
         if not folder.is_dir():
@@ -369,7 +373,7 @@ def resolve_resume(recipe: dict, log=print) -> tuple:
     if folder is None:
         return None, None
     try:
-        meta = check_step_folder(folder, verify and resume != "latest")  # latest: checked just now
+        meta = check_step_folder(folder, check_now and resume != "latest")  # latest: checked just now
     except RecipeError as err:
         raise RecipeError(f"checkpoint.resume_from={resume!r}: {err}. Resume from another step_* folder, or "
                           "use checkpoint.resume_from=latest (the newest intact one)") from None
@@ -381,8 +385,45 @@ def resolve_resume(recipe: dict, log=print) -> tuple:
     return folder, meta
 
 
-class CheckpointVanished(RecipeError):
+class CheckpointUnusable(RecipeError):
+    """The step folder being resumed from turned out unusable while it was loaded (``latest`` falls back)."""
+
+
+class CheckpointVanished(CheckpointUnusable):
     """The step folder being resumed from (or a file of it) disappeared after it was checked."""
+
+
+class CheckpointDamaged(CheckpointUnusable):
+    """A file of the step folder being resumed from differs from its recorded checksum."""
+
+
+def load_verified(state: dict, folder, meta: dict, verify: bool, **load_kwargs) -> None:
+    """``dcp.load(state)`` from ``folder``; with ``verify`` this rank's share of the recorded checksums is compared
+    on helper threads meanwhile (the file reads overlap the load).  Once the load is done every rank's findings
+    are gathered (collective under a process group): ``CheckpointDamaged`` naming the first damaged file, else
+    DCP's own failure, if the load failed."""
+    folder = Path(folder)
+    verifying = None
+    if verify and meta.get("checksums"):  # the same decision on every rank: meta.json is shared
+        helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        verifying = helper.submit(verify_checksums, folder, meta, *_ranks())
+    failure = None
+    try:
+        dcp.load(state, storage_reader=SafeReader(folder), **load_kwargs)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised below unless damage explains it
+        failure = err
+    if verifying is not None:
+        try:
+            problems = verifying.result()
+        except Exception as err:  # noqa: BLE001 - never leave the other ranks waiting in the all-gather
+            problems = [f"{folder}: its checksums could not be compared ({type(err).__name__}: {err})"]
+        helper.shutdown()
+        problems = _agree(problems)
+        if problems:
+            more = f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else ""
+            raise CheckpointDamaged(f"{problems[0]}{more}; the state loaded from it is discarded") from None
+    if failure is not None:
+        raise failure
 
 
 # ---- the state DCP sees ----------------------------------------------------------------------------
@@ -718,10 +759,12 @@ class Checkpointer:
 
     # ---- load --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def load(self, folder, meta: dict) -> int:
+    def load(self, folder, meta: dict, verify: bool = False) -> int:
         """Restore model, optimizer state, RNG; reshards from the saved layout.  Returns the saved step.
 
-        Collective.  ``CheckpointVanished`` (on every rank) when the folder or a file of it is gone."""
+        ``verify``: compare the files' checksums while loading (``load_verified``).  Collective.
+        ``CheckpointVanished`` / ``CheckpointDamaged`` (on every rank) when the folder or a file of it is gone
+        or changed: nothing after the tensors (optimizer steps, RNG) is restored then."""
         t = self.trainer
         folder = Path(folder)
         if meta["data"]["examples"] != len(t.train_set):
@@ -748,7 +791,9 @@ class Checkpointer:
         if missing or extra:
             raise RecipeError(f"{folder} does not match this model: missing {missing[:3]}, unexpected {extra[:3]}")
         try:
-            dcp.load(state, storage_reader=SafeReader(folder))
+            load_verified(state, folder, meta, verify)
+        except CheckpointDamaged:
+            raise
         except (Exception, CheckpointException) as err:  # DCP raises every rank's failure on every rank
             if not _vanished(err):
                 raise

@@ -25,9 +25,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from deepseek_v41.training import checkpointing
 from deepseek_v41.training import data as data_lib
-from deepseek_v41.training.checkpointing import Checkpointer, CheckpointVanished, resolve_resume
+from deepseek_v41.training.checkpointing import Checkpointer, CheckpointUnusable, resolve_resume
 from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_modules
-from deepseek_v41.training.expert_parallel import apply_expert_parallel, expert_global_mesh, routed_expert_modules
+from deepseek_v41.training.expert_parallel import (
+    apply_expert_parallel,
+    expert_global_mesh,
+    routed_expert_modules,
+)
 from deepseek_v41.training.fsdp import parallelize
 from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, describe_schedule, lr_at
@@ -43,8 +47,9 @@ class Trainer:
         self.recipe = recipe
         self.rank, self.world, self.device = _init_distributed(recipe["distributed"]["backend"])
         validate_world(recipe, self.world)
-        # Checked before the model is built: a changed recipe or a damaged folder fails in seconds.
-        self.resume_dir, self.resume_meta = resolve_resume(recipe, self._print)
+        # Checked before the model is built: a changed recipe or an incomplete folder fails in seconds; the
+        # files' checksums are compared while the folder loads (the reads overlap the load).
+        self.resume_dir, self.resume_meta = resolve_resume(recipe, self._print, defer_checksums=True)
         _seed_everything(recipe["seed"])
         self.out_dir = Path(recipe["output_dir"])
         if self.rank == 0:
@@ -264,13 +269,15 @@ class Trainer:
         return step
 
     def _load_resume_folder(self) -> int:
-        """Load ``self.resume_dir``; with ``resume_from: latest`` a folder that vanished since start-up makes way
-        for the newest intact one left (a full load replaces whatever the vanished one had loaded)."""
+        """Load ``self.resume_dir``, comparing its checksums meanwhile; with ``resume_from: latest`` a folder that
+        vanished since start-up or turned out damaged makes way for the newest intact one left (checked in full
+        before it loads; a full load replaces whatever the first one had loaded)."""
         resume = self.recipe["checkpoint"]["resume_from"]
+        verify = self.recipe["checkpoint"]["verify_checksums"]
         while True:
             try:
-                return self.checkpointer.load(self.resume_dir, self.resume_meta)
-            except CheckpointVanished as err:
+                return self.checkpointer.load(self.resume_dir, self.resume_meta, verify=verify)
+            except CheckpointUnusable as err:
                 if resume != "latest":
                     raise RecipeError(f"checkpoint.resume_from={resume!r}: {err}. Resume from another step_* "
                                       "folder, or use checkpoint.resume_from=latest (the newest intact one)") from None
@@ -280,7 +287,7 @@ class Trainer:
                     raise RecipeError(f"resume_from=latest: {err}, and no intact step is left under "
                                       f"{checkpointing.checkpoint_root(self.recipe)}; start again (resume_from: null starts at step "
                                       "0 from the base checkpoint)") from None
-                self.resume_dir, self.resume_meta = folder, meta
+                self.resume_dir, self.resume_meta, verify = folder, meta, False  # its checksums were just compared
 
     # ---- reporting ---------------------------------------------------------------------------------
     def _emit(self, metrics, record):

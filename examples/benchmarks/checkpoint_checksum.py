@@ -10,8 +10,10 @@ parameter (bf16, the fp32 islands) and the ``RemainderAdamW`` state of every tra
 * save with checksums: ``ChecksummedWriter`` (each file hashed from the bytes as they are written, the rank's
   ``checksums/rank0.json``), then the commit merging them into ``meta.json``;
 * resume without checksums: ``check_step_folder(verify=False)`` (sizes, DCP metadata, record starts) and
-  ``dcp.load`` into tensors of the same shapes on the device;
-* resume with checksums: the same with ``verify=True`` (every file read and hashed once more, before the load).
+  ``load_verified(verify=False)`` (``dcp.load``) into tensors of the same shapes on the device, as the trainer;
+* resume with checksums: the same with ``load_verified(verify=True)``: every file read and hashed once more on
+  helper threads while DCP loads (the trainer's way); ``--verify-first`` measures instead the check before the
+  load (``check_step_folder(verify=True)``, what a fallback to an older step does).
 
 A warm-up round of each mode comes first (not counted: first allocations, first page-cache fill); the
 counted rounds alternate the two modes (a fresh folder each, removed after its resume, so one checkpoint is on
@@ -52,9 +54,9 @@ from deepseek_v41.training.checkpointing import (
     FORMAT,
     META,
     ChecksummedWriter,
-    SafeReader,
     _write_synced,
     check_step_folder,
+    load_verified,
 )
 
 GB = 1e9
@@ -175,15 +177,15 @@ def evict(folder: Path) -> None:
                 os.close(fd)
 
 
-def resume(folder: Path, target: dict, checksums: bool, device, cold: bool) -> tuple:
-    """(seconds for the checks and the load, seconds of the checks alone)."""
+def resume(folder: Path, target: dict, checksums: bool, device, cold: bool, verify_first: bool) -> tuple:
+    """(seconds for the checks and the load, seconds of the checks before the load)."""
     if cold:
         evict(folder)
     _sync(device)
     start = time.perf_counter()
-    check_step_folder(folder, verify=checksums)
+    meta = check_step_folder(folder, verify=checksums and verify_first)
     checked = time.perf_counter() - start
-    dcp.load(target, storage_reader=SafeReader(folder), no_dist=True)
+    load_verified(target, folder, meta, verify=checksums and not verify_first, no_dist=True)
     _sync(device)
     return time.perf_counter() - start, checked
 
@@ -197,6 +199,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="evict the files from the page cache before resumes")
+    parser.add_argument("--verify-first", action="store_true",
+                        help="compare checksums before the load instead of during it")
     parser.add_argument("--warmup", type=int, default=1, help="uncounted rounds of each mode first")
     parser.add_argument("--write-test-gib", type=float, default=2.0, help="bytes of the disk's write-speed test")
     parser.add_argument("--hash-test-mib", type=int, default=1024, help="buffer of the hash-speed test")
@@ -226,7 +230,7 @@ def main() -> None:
             for mode in ((False, True) if round_ % 2 == 0 else (True, False)):
                 folder = root / f"step_{round_ + args.warmup:04d}{'_sum' if mode else ''}"
                 saved = save(state, folder, mode, device)
-                total, checked = resume(folder, target, mode, device, args.cold)
+                total, checked = resume(folder, target, mode, device, args.cold, args.verify_first)
                 shutil.rmtree(folder)
                 name = "warm-up" if round_ < 0 else f"round {round_}"
                 print(f"{name} checksums {'on ' if mode else 'off'}: save {saved:.2f} s, resume {total:.2f} s "
@@ -240,7 +244,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     result = {"device": str(device), "state_gb": round(size / GB, 3), "tensors": len(state), "rounds": args.rounds,
-              "cold": args.cold, "disk_write_gb_s": round(disk, 3), "hash_gb_s": {k: round(v, 3) for k, v in hashes.items()}}
+              "cold": args.cold, "verify_first": args.verify_first, "disk_write_gb_s": round(disk, 3), "hash_gb_s": {k: round(v, 3) for k, v in hashes.items()}}
     print()
     print(f"{'':22s} {'checksums off':>22s} {'checksums on':>22s} {'overhead':>9s}")
     for kind in ("save", "resume"):
@@ -250,7 +254,7 @@ def main() -> None:
                         "on_gb_s": round(rate_on, 3), "overhead_pct": round(100 * (on / off - 1), 1)}
         print(f"{kind + ' (mean)':22s} {off:8.2f} s {rate_off:6.2f} GB/s {on:8.2f} s {rate_on:6.2f} GB/s "
               f"{100 * (on / off - 1):7.1f} %")
-    print(f"{'  of which checks':22s} {statistics.mean(times['verify', False]):8.2f} s {'':11s}"
+    print(f"{'  checks before load':22s} {statistics.mean(times['verify', False]):8.2f} s {'':11s}"
           f"{statistics.mean(times['verify', True]):8.2f} s")
     print(f"save GB/s as a fraction of the disk's measured write speed ({disk:.2f} GB/s): "
           f"off {result['save']['off_gb_s'] / disk:.2f}, on {result['save']['on_gb_s'] / disk:.2f}")
