@@ -139,6 +139,12 @@ class CSA2LayerCache:
             store.scatter_(1, at, value)
 
 
+# text_config fields that decide what a cache holds and how it is read
+_STRUCTURE = ("num_hidden_layers", "sliding_window", "compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
+              "candidate_source_layer_id", "head_dim", "index_head_dim", "hidden_size", "engram_layer_ids",
+              "engram_max_ngram_size")
+
+
 class StaticCSA2LayerCache(CSA2LayerCache):
     """A layer's decode state in buffers allocated once (at the first prefill, on its layer's device, in the dtypes
     the layer produces) for the batch and ``max_cache_len`` positions, and afterwards only written in place."""
@@ -253,6 +259,43 @@ class DeepseekV41Cache(Cache):
         tensors = [t for layer in self.layers for t in layer.tensors().values()]
         tensors += [t for t in (self.lengths, self.engram_ids, self.engram_dead) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def check_matches(self, model, batch: int | None = None) -> None:
+        """``ValueError`` naming what differs unless this cache was made by a model of ``model``'s structure
+        (layers, window, compression, widths) and, once filled, holds ``batch`` rows (when given) in the
+        model's dtype on each block's device: another model's cache would be read at the wrong shapes or
+        silently mix two models' states."""
+        mine, theirs = self.text_config, model.config.text_config
+        fix = "start from a fresh cache (use_cache=True, or no past_key_values) made by this model"
+        for field in _STRUCTURE:
+            a, b = getattr(mine, field, None), getattr(theirs, field, None)
+            if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
+                raise ValueError(f"the cache was made for another model: its text_config.{field} is {a!r}, this "
+                                 f"model's is {b!r}; {fix}")
+        if len(self.layers) != len(model.layers):
+            raise ValueError(f"the cache holds {len(self.layers)} layers, this model has {len(model.layers)}; {fix}")
+        if self.lengths is None:
+            return
+        if batch is not None and self.batch_size != batch:
+            raise ValueError(f"the cache holds {self.batch_size} rows but input_ids has {batch}: give the rows the "
+                             "cache was filled with (generate expands the cache itself for beams and samples)")
+        dtype = model.embed.weight.dtype
+        widths = {"window_kv": theirs.head_dim, "compressed_kv": theirs.head_dim, "index_k": theirs.index_head_dim,
+                  "carry_kv": theirs.head_dim, "carry_score": theirs.head_dim}
+        for i, (layer, block) in enumerate(zip(self.layers, model.layers)):
+            device = block.hc_attn_fn.device
+            for name, t in layer.tensors().items():
+                where = f"the cache's layer {i} {name}"
+                if t.shape[0] != self.batch_size or t.shape[-1] != widths[name]:
+                    raise ValueError(f"{where} has shape {tuple(t.shape)}; this model needs [{self.batch_size}, ·, "
+                                     f"{widths[name]}]; {fix}")
+                want = torch.float32 if name.startswith("carry") else dtype
+                if t.dtype != want:
+                    raise ValueError(f"{where} is {t.dtype} but this model computes in {want}; {fix}, or cast the "
+                                     "model back to the dtype that filled the cache")
+                if t.device != device:
+                    raise ValueError(f"{where} is on {t.device} but block {i} runs on {device}; {fix}, or move the "
+                                     "model back to the device that filled the cache")
 
     # ---- the transformers Cache interface ------------------------------------------------------------------
 

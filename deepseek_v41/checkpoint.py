@@ -18,6 +18,11 @@ name. Every decoded row block is then checked finite (one extra pass over the bl
 a NaN/Inf in a BF16/F32 tensor or an overflowing scale fails naming the tensor, the file and the element.
 Opt out for speed with `check_finite=False` (`ReleasedCheckpoint`, `load_checkpoint_into_model`) or the
 environment variable `DEEPSEEK_V41_CHECK_FINITE=0` (which also covers `from_pretrained` and training).
+
+An export of ours records each shard's checksum in the index (`metadata.checksums`, computed while the shard
+was written); a shard is read whole and compared once, before the first tensor is taken from it, so bytes
+changed without changing the size (a damaged disk or transfer) fail naming the shard. Opt out with
+`verify_checksums=False` or `DEEPSEEK_V41_VERIFY_CHECKSUMS=0`. The release's own index records none.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from .checksums import HashingStream, check_enabled, file_matches
 from .release_format import (
     block_pair,
     ceil_div,
@@ -75,6 +81,8 @@ SCALE_DTYPES = ("F8_E8M0", "F32")
 PLAIN_DTYPES = ("BF16", "F32")
 # Environment opt-out of the per-block finite check (`check_finite`), for speed on trusted checkpoints.
 CHECK_FINITE_ENV = "DEEPSEEK_V41_CHECK_FINITE"
+# Environment opt-out of the shard checksum comparison (`verify_checksums`; exports of ours record them).
+VERIFY_CHECKSUMS_ENV = "DEEPSEEK_V41_VERIFY_CHECKSUMS"
 
 # Row blocks the loader decodes at once (output bytes); bounds the memory beyond the model.
 LOAD_BLOCK_BYTES = 64 << 20
@@ -273,11 +281,16 @@ class ReleasedCheckpoint:
     variable DEEPSEEK_V41_CHECK_FINITE, on unless "0"). Scales may live in another shard than their weight.
     """
 
-    def __init__(self, path: str | os.PathLike, *, group: int = 32, check_finite: bool | None = None):
+    def __init__(self, path: str | os.PathLike, *, group: int = 32, check_finite: bool | None = None,
+                 verify_checksums: bool | None = None):
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a checkpoint directory")
         self.check_finite = finite_check_enabled() if check_finite is None else check_finite
+        self.verify_checksums = (check_enabled(VERIFY_CHECKSUMS_ENV) if verify_checksums is None
+                                 else verify_checksums)
+        self.checksums: dict[str, str] = {}  # shard file name -> checksum (exports of ours record them)
+        self.verified: set[Path] = set()  # shards compared (or taken as compared: `mark_verified`)
         self.config = self._read_config()
         self.quantization_config = (self.config or {}).get("quantization_config")
         block = (self.quantization_config or {}).get("weight_block_size", [32, 32])
@@ -309,9 +322,15 @@ class ReleasedCheckpoint:
         index_path = self.path / INDEX_FILE
         if index_path.exists():
             try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
+                index = json.loads(index_path.read_text())
+                weight_map = index["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index_path}: not a safetensors index (needs a `weight_map`): {exc}") from exc
+            checksums = (index.get("metadata") or {}).get("checksums") or {}
+            if not (isinstance(checksums, dict) and all(isinstance(v, str) and ":" in v for v in checksums.values())):
+                raise CheckpointError(f"{index_path}: metadata.checksums must map shard files to checksum strings, "
+                                      f"got {checksums!r} (corrupted index?)")
+            self.checksums = checksums
             by_file = defaultdict(list)
             for name, file in weight_map.items():
                 by_file[file].append(name)
@@ -423,8 +442,36 @@ class ReleasedCheckpoint:
 
     # -- reading ---------------------------------------------------------------------------------------
 
+    def verify_files(self, files: Iterable[Path] | None = None) -> list[str]:
+        """Compare the recorded checksum of each shard in `files` (default: all) with its bytes, once per shard
+        -> a problem per shard that differs (nothing when `verify_checksums` is off or none is recorded)."""
+        problems = []
+        for file in sorted(self.files if files is None else files):
+            if not self.verify_checksums or file in self.verified or file.name not in self.checksums:
+                continue
+            recorded = self.checksums[file.name]
+            ok, actual = file_matches(file, recorded)
+            if not ok:
+                problems.append(f"shard {file} has checksum {actual} but {self.listing.name} recorded {recorded}: its "
+                                "bytes changed after it was written (a damaged disk, download or copy); re-download "
+                                f"or re-export it (to skip this check: verify_checksums=False or "
+                                f"{VERIFY_CHECKSUMS_ENV}=0)")
+            self.verified.add(file)
+        return problems
+
+    def mark_verified(self, files: Iterable[Path]) -> None:
+        """Take these shards as compared (another process of the same job compared them)."""
+        self.verified.update(files)
+
+    def _verify_before_reading(self, file: Path) -> None:
+        if file not in self.verified and self.verify_checksums and file.name in self.checksums:
+            problems = self.verify_files([file])
+            if problems:
+                raise CheckpointError(problems[0])
+
     def read_raw(self, record: TensorRecord, rows: slice | None = None) -> torch.Tensor:
         """Stored values of rows [start, stop) (all by default), reading only those bytes."""
+        self._verify_before_reading(record.file)
         dtype = SAFETENSORS_DTYPES[record.dtype]
         if rows is None or not record.shape:
             return _read_bytes(record, 0, record.nbytes).view(dtype).reshape(record.shape)
@@ -670,6 +717,7 @@ def load_checkpoint_into_model(
     strict: bool = True,
     dequantize_base_checkpoint: bool = True,
     check_finite: bool | None = None,
+    verify_checksums: bool | None = None,
 ) -> LoadReport:
     """Stream a released or floating-point checkpoint into `model`'s parameters and buffers in place.
 
@@ -677,9 +725,11 @@ def load_checkpoint_into_model(
     shard, in row blocks, straight into the target's dtype and device, so memory beyond the model stays
     at a few row blocks. The model may be built on the meta device and `to_empty`'d first. `mtp.*`
     (DSpark draft stages) are skipped; with strict=False missing/unexpected tensors are only reported.
-    `check_finite` (default: on, or `DEEPSEEK_V41_CHECK_FINITE`) checks every decoded block finite.
+    `check_finite` (default: on, or `DEEPSEEK_V41_CHECK_FINITE`) checks every decoded block finite;
+    `verify_checksums` (default: on, or `DEEPSEEK_V41_VERIFY_CHECKSUMS`) compares each shard with the checksum
+    its index records (exports of ours), before the first tensor is read from it.
     """
-    checkpoint = ReleasedCheckpoint(path, check_finite=check_finite)
+    checkpoint = ReleasedCheckpoint(path, check_finite=check_finite, verify_checksums=verify_checksums)
     if checkpoint.is_quantized and not dequantize_base_checkpoint:
         raise NotImplementedError("training on the quantized FP8/FP4 weights is not supported: load with "
                                   "dequantize_base_checkpoint=True (weights are decoded exactly to floating point)")
@@ -748,8 +798,9 @@ def _as_row_blocks(value: torch.Tensor | RowBlocks) -> RowBlocks:
     return RowBlocks(tuple(tensor.shape), tensor.dtype, lambda: (tensor,))
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | RowBlocks]) -> None:
-    """Write a safetensors file, streaming `RowBlocks` so no tensor needs to be whole in memory."""
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | RowBlocks]) -> str:
+    """Write a safetensors file, streaming `RowBlocks` so no tensor needs to be whole in memory -> the file's
+    checksum (`deepseek_v41.checksums`), computed from the bytes as they are written."""
     entries = {name: _as_row_blocks(value) for name, value in tensors.items()}
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -761,7 +812,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | RowBlocks]) 
         offset += entry.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as handle:
+    with HashingStream(open(path, "wb")) as handle:
         handle.write(len(raw).to_bytes(8, "little") + raw)
         for name, entry in entries.items():
             written = 0
@@ -772,3 +823,4 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | RowBlocks]) 
                 del block, data  # not held while the next block is produced
             if written != entry.nbytes:
                 raise ValueError(f"tensor {name!r}: its row blocks hold {written} bytes, its shape {entry.nbytes}")
+    return handle.checksum()

@@ -254,6 +254,9 @@ class DeepseekV41VisionConfig(PretrainedConfig):
         check_config_values(self)
 
 
+RELEASED_IMAGE_TOKEN_ID = 129264  # the release's image_token_id: the default where the vocabulary holds it
+
+
 class DeepseekV41Config(PretrainedConfig):
     model_type = "deepseek_v41"
     sub_configs = {"text_config": DeepseekV41TextConfig, "vision_config": DeepseekV41VisionConfig}
@@ -265,7 +268,7 @@ class DeepseekV41Config(PretrainedConfig):
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,
-        image_token_id=129264,
+        image_token_id=None,
         backend=None,
         dequantize_base_checkpoint=True,
         tie_word_embeddings=False,
@@ -281,6 +284,8 @@ class DeepseekV41Config(PretrainedConfig):
             vision_config = DeepseekV41VisionConfig()
         self.text_config = text_config
         self.vision_config = vision_config
+        if image_token_id is None and text_config.vocab_size > RELEASED_IMAGE_TOKEN_ID:
+            image_token_id = RELEASED_IMAGE_TOKEN_ID  # unset: the release's id, where the vocabulary holds it
         self.image_token_id = image_token_id
         self.backend = resolve_backend(backend)
         self.dequantize_base_checkpoint = dequantize_base_checkpoint
@@ -454,6 +459,10 @@ def check_config_values(config, dtype=None) -> None:
     _need(isinstance(config.dequantize_base_checkpoint, bool), "dequantize_base_checkpoint",
           config.dequantize_base_checkpoint, "must be true or false")
     vocab = config.text_config.vocab_size
-    if config.vision_config.num_hidden_layers:  # without a vision tower no position carries the image id
+    # Checked whenever it is set (a saved config is read by other code too: processors, serving engines); unset
+    # (None) is allowed only without a vision tower, which never places it.
+    if config.image_token_id is not None or config.vision_config.num_hidden_layers:
         _need(_is_int(config.image_token_id) and 0 <= config.image_token_id < vocab, "image_token_id",
-              config.image_token_id, f"must be a token id in [0, text_config.vocab_size = {vocab})")
+              config.image_token_id, f"must be a token id in [0, text_config.vocab_size = {vocab})"
+              + ("; a vision tower needs it (the id the processor puts at image positions)"
+                 if config.image_token_id is None else ""))

@@ -17,6 +17,11 @@ One path for ``save_pretrained``, the trainer's export (``training/export.py``) 
   every tensor as a DTensor with global offsets (our EP expert blocks and Engram row blocks have none), and
   it neither splits stacked experts into released names nor re-encodes 32x32 FP8 blocks that straddle
   FSDP shard boundaries. The reduce-per-block writer here does all three in one pass.
+* integrity: a tensor holding NaN or Inf is refused before anything is written, named (each process checks
+  the values it holds: ``nonfinite_tensors``); while writing, every block is checked again and the release
+  encoders refuse a non-finite value instead of saturating it to the FP8/FP4 maximum. Each shard's
+  checksum (``deepseek_v41.checksums``), computed from the bytes as they are written, goes into the index
+  (``metadata.checksums``); the loader compares it before reading the shard.
 * folder safety: everything is written into a new hidden sibling folder; it then takes the destination's
   place with one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux), so a SIGKILL at any moment leaves the
   old or the new export in place, never none. Only an empty folder or a previous export of ours (its
@@ -96,13 +101,47 @@ class TensorSource:
     shape: tuple[int, ...]
     dtype: torch.dtype
     read: Callable[[int, int], torch.Tensor | None]
+    local: torch.Tensor | None = None  # the values this process holds (whole, or its shard): checked up front
 
 
 def local_source(name: str, tensor: torch.Tensor) -> TensorSource:
     """A tensor this process holds whole."""
     tensor = tensor.detach()
     return TensorSource(name, tuple(tensor.shape), tensor.dtype,
-                        lambda start, stop: tensor if tensor.dim() == 0 else tensor[start:stop])
+                        lambda start, stop: tensor if tensor.dim() == 0 else tensor[start:stop], tensor)
+
+
+_CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # codes (FP8...) are refused elsewhere
+
+
+def _first_nonfinite(name: str, tensor: torch.Tensor) -> str | None:
+    # One pass (a sum is non-finite iff an element is, or it overflows); the element is looked up only then.
+    if tensor.dtype not in _CHECKED_DTYPES or tensor.numel() == 0 or bool(torch.isfinite(tensor.sum())):
+        return None
+    bad = ~torch.isfinite(tensor)
+    if not bool(bad.any()):  # the sum overflowed; every element is finite
+        return None
+    at = tuple(bad.nonzero()[0].tolist())
+    return (f"tensor {name!r} holds {tensor[at].item()} at {list(at)} ({int(bad.sum())} non-finite of "
+            f"{tensor.numel()} values)")
+
+
+def nonfinite_tensors(sources: Iterable[TensorSource]) -> list[str]:
+    """A description per source whose locally held values (``TensorSource.local``) include NaN or Inf."""
+    found = []
+    for source in sources:
+        if source.local is not None:
+            problem = _first_nonfinite(source.name, source.local.detach())
+            if problem:
+                found.append(problem)
+    return found
+
+
+def nonfinite_error(problems: list[str]) -> ExportError:
+    more = f" (and {len(problems) - 1} more tensors)" if len(problems) > 1 else ""
+    return ExportError(f"{problems[0]}{more}: an export of non-finite weights would not load (the loader refuses "
+                       "them); nothing was written. Find where training diverged (the loss, grad_norm) and export "
+                       "from an earlier checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -211,6 +250,13 @@ def _source_rows(item: _Item) -> Iterator[torch.Tensor | None]:
         yield item.source.read(start, min(start + step, item.shape[0]))
 
 
+def _check_block(item: _Item, rows: torch.Tensor) -> None:
+    problem = _first_nonfinite(item.name, rows)
+    if problem:
+        raise ExportError(f"{problem.replace(' at [', ' at block-relative [', 1)}: an export of non-finite weights "
+                          "would not load; export from an earlier checkpoint")
+
+
 def item_row_blocks(item: _Item) -> list[RowBlocks]:
     """The RowBlocks written for `item` (tensor, then scale). The scale's blocks are the ones collected while
     the tensor's were produced, so they must be consumed in that order (as `write_safetensors` does)."""
@@ -219,6 +265,7 @@ def item_row_blocks(item: _Item) -> list[RowBlocks]:
         def plain():
             for rows in _source_rows(item):
                 if rows is not None:
+                    _check_block(item, rows)
                     block, rows = rows.to(item.dtype), None
                     yield block
                     del block
@@ -231,7 +278,10 @@ def item_row_blocks(item: _Item) -> list[RowBlocks]:
         scales.clear()
         for rows in _source_rows(item):
             if rows is not None:
-                q, scale = encode(rows.float())
+                try:
+                    q, scale = encode(rows.float())
+                except ValueError as exc:  # a value the format cannot hold: never saturated silently
+                    raise ExportError(f"tensor {item.name!r} cannot be encoded as {item.fmt}: {exc}") from None
                 rows = None
                 scales.append(scale)
                 yield q
@@ -303,6 +353,7 @@ def write_export(
     max_shard_bytes: int = 5 << 30,
     writer: bool = True,
     sync: Callable[[str | None], str | None] | None = None,
+    check_finite: bool = True,
 ) -> dict[str, str] | None:
     """Write `sources` as a Hugging Face folder at `out_dir`; returns the weight map (name -> shard) on the writer.
 
@@ -311,10 +362,17 @@ def write_export(
     same sources in the same order; only `writer` touches the disk. `sync(message)` shares the writer's
     error message (or None) with every process and returns it, so a refused folder or a failed write ends
     every process with the same error instead of leaving some waiting in a collective.
+    `check_finite`: refuse, before writing, a source whose values this process holds (``TensorSource.local``)
+    with a NaN or Inf (the trainer's export checks every rank's shards itself and passes False).
     """
     out_dir = Path(out_dir)
     sync = sync or (lambda message: message)
+    sources = list(sources)
     items = plan_items(sources, quantize)
+    if check_finite and writer:
+        problems = nonfinite_tensors(sources)
+        if problems:
+            raise nonfinite_error(problems)
     shards = plan_shards(items, max_shard_bytes)
     files = [Path(f) for f in files]
     problem = None
@@ -342,8 +400,8 @@ def write_export(
 
     staging = _new_sibling(out_dir, "tmp")
     try:
-        weight_map, total = _write_shards(shards, staging, out_dir.name)
-        _finish(staging, out_dir, weight_map, total, config, files)
+        weight_map, total, checksums = _write_shards(shards, staging, out_dir.name)
+        _finish(staging, out_dir, weight_map, total, config, files, checksums)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         sync(f"{type(exc).__name__}: {exc}")
@@ -352,10 +410,10 @@ def write_export(
     return weight_map
 
 
-def _write_shards(shards: list[list[_Item]], staging: Path, label: str) -> tuple[dict[str, str], int]:
+def _write_shards(shards: list[list[_Item]], staging: Path, label: str) -> tuple[dict[str, str], int, dict]:
     # After a failed write the remaining blocks are still produced (other ranks wait in their collective
     # reads), then the failure is raised.
-    weight_map, failure = {}, None
+    weight_map, checksums, failure = {}, {}, None
     total = sum(item.nbytes for shard in shards for item in shard)
     with progress_bar(total, f"Writing {label}") as bar:
         for index, shard in enumerate(shards, start=1):
@@ -367,7 +425,7 @@ def _write_shards(shards: list[list[_Item]], staging: Path, label: str) -> tuple
             bar.set_postfix_str(f"shard {index}/{len(shards)}")
             if failure is None:
                 try:
-                    write_safetensors(staging / file, entries)
+                    checksums[file] = write_safetensors(staging / file, entries)
                     fsync_path(staging / file)
                     weight_map.update(dict.fromkeys(entries, file))
                     continue
@@ -379,11 +437,13 @@ def _write_shards(shards: list[list[_Item]], staging: Path, label: str) -> tuple
                 raise failure from None
     if failure is not None:
         raise failure
-    return weight_map, total
+    return weight_map, total, checksums
 
 
-def _finish(staging: Path, out_dir: Path, weight_map: dict, total: int, config: dict, files: list[Path]) -> None:
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+def _finish(staging: Path, out_dir: Path, weight_map: dict, total: int, config: dict, files: list[Path],
+            checksums: dict | None = None) -> None:
+    metadata = {"total_size": total, "checksums": dict(sorted((checksums or {}).items()))}
+    index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
     (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     for f in files:

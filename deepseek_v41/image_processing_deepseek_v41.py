@@ -80,6 +80,47 @@ def _decode(source, what: str) -> Image.Image:
     return image
 
 
+ACCEPTED_IMAGES = ("a PIL image, a local path or URL, the encoded file's bytes, or a uint8 array / tensor "
+                   "[H, W, 3] or [3, H, W] (RGB); a list of those (or of lists, one per text)")
+
+
+def _flat_images(images) -> list:
+    # the images a call holds, in order: one image, a list of them, a list of per-text lists, or a 4-D batch array
+    if isinstance(images, (list, tuple)):
+        return [image for item in images for image in (item if isinstance(item, (list, tuple)) else [item])]
+    if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim == 4:
+        return list(images)
+    return [images]
+
+
+def check_images(images) -> None:
+    """Each image must be one of ``ACCEPTED_IMAGES``; otherwise ``ValueError`` naming its index (0-based, in
+    order of appearance) and what is wrong, instead of the image library's generic error."""
+    if images is None:
+        raise ValueError(f"no images given; pass {ACCEPTED_IMAGES}")
+    for index, image in enumerate(_flat_images(images)):
+        if isinstance(image, (Image.Image, str, os.PathLike)):
+            continue  # paths and bytes are opened before this check; URLs are fetched by transformers
+        if isinstance(image, (np.ndarray, torch.Tensor)):
+            shape, dtype = tuple(image.shape), image.dtype
+            if image.ndim == 3 and (shape[-1] == 3 or shape[0] == 3) and min(shape) > 0:
+                if dtype in (np.uint8, torch.uint8):
+                    continue
+                problem = f"an array of dtype {dtype}: expected an RGB uint8 image (convert to uint8 0-255)"
+            elif image.ndim == 3 and 0 in shape:
+                problem = f"an empty array of shape {shape}"
+            elif image.ndim == 3:
+                problem = (f"an array of shape {shape} with no 3-channel axis first or last ({min(shape[0], shape[-1])}"
+                           "-channel images are not RGB; for grayscale pass Image.fromarray(x) or stack 3 channels)")
+            else:
+                problem = f"a {image.ndim}-D array of shape {shape} (an image is 3-D: [H, W, 3] or [3, H, W])"
+        elif image is None:
+            problem = "None"
+        else:
+            problem = f"of type {type(image).__name__} ({image!r:.60})"
+        raise ValueError(f"image {index} is {problem}; accepted: {ACCEPTED_IMAGES}")
+
+
 def rgb_image(image: Image.Image) -> Image.Image:
     """A PIL image of any mode -> RGB without saturating: 16-bit grayscale rounds to 8 bits (PIL's own
     conversion clips it at 255); I and F images, whose value range is unknown, are refused."""
@@ -163,7 +204,9 @@ class DeepseekV41ImageProcessor(PilBackend):
         return cls(**{name: getattr(vision_config, name) for name in PLAN_FIELDS}, **kwargs)
 
     def _prepare_images_structure(self, images, expected_ndims=3):
-        return super()._prepare_images_structure(open_image_source(images), expected_ndims=expected_ndims)
+        images = open_image_source(images)
+        check_images(images)
+        return super()._prepare_images_structure(images, expected_ndims=expected_ndims)
 
     def convert_to_rgb(self, image, **kwargs):
         # PIL's own conversion, as the official loader (RGBA drops alpha, L/P expand), see rgb_image. Arrays: base class
@@ -241,4 +284,4 @@ class DeepseekV41ImageProcessor(PilBackend):
         return BatchFeature(data=data)
 
 
-__all__ = ["DeepseekV41ImageProcessor", "open_image_source", "plan_image_box", "rgb_image"]
+__all__ = ["DeepseekV41ImageProcessor", "check_images", "open_image_source", "plan_image_box", "rgb_image"]

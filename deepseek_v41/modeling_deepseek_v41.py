@@ -188,7 +188,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         cls, pretrained_model_name_or_path=None, *model_args, config=None, dtype="auto", backend=None, tokenizer=None,
         device=None, device_map=None, max_memory=None, revision=None, cache_dir=None, local_files_only=False,
         token=None, force_download=False, subfolder="", use_safetensors=None, low_cpu_mem_usage=None,
-        dequantize_base_checkpoint=None, adapter_kwargs=None, **kwargs,
+        dequantize_base_checkpoint=None, adapter_kwargs=None, verify_checksums=None, **kwargs,
     ):
         """Load a released-format (FP8/FP4, dequantized here) or floating-point checkpoint.
 
@@ -200,7 +200,9 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         ``"sequential"`` (accelerate's planner, whole blocks per device, ``max_memory`` honoured) or a dict
         {module name: device} covering the model without splitting a block; blocks on several devices run one
         after the other (pipelined inference, no overlap).  A Hub repo id is downloaded with ``revision``,
-        ``cache_dir``, ``local_files_only``, ``token``, ``force_download``.
+        ``cache_dir``, ``local_files_only``, ``token``, ``force_download``.  ``verify_checksums`` (default: on,
+        or ``DEEPSEEK_V41_VERIFY_CHECKSUMS``): an export of ours records each shard's checksum in its index, and
+        a shard whose bytes changed is refused, named, before a tensor is read from it; ``False`` skips the reads.
         """
         from .checkpoint import load_checkpoint_into_model
 
@@ -236,7 +238,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             raise TypeError(
                 f"from_pretrained got unexpected keyword arguments {sorted(kwargs)}: they are neither loading options "
                 "(dtype, device, device_map, max_memory, backend, tokenizer, revision, cache_dir, local_files_only, "
-                "token, force_download, subfolder, use_safetensors, low_cpu_mem_usage, dequantize_base_checkpoint) "
+                "token, force_download, subfolder, use_safetensors, low_cpu_mem_usage, dequantize_base_checkpoint, "
+                "verify_checksums) "
                 "nor config fields"
             )
         config._name_or_path = str(path)
@@ -252,7 +255,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         materialize(model, placement)
         # The backbone (AutoModel) loads a causal-LM checkpoint without its head; nothing else may be left over.
         report = load_checkpoint_into_model(
-            model, path, strict=cls._with_head, dequantize_base_checkpoint=config.dequantize_base_checkpoint
+            model, path, strict=cls._with_head, dequantize_base_checkpoint=config.dequantize_base_checkpoint,
+            verify_checksums=verify_checksums,
         )
         leftover = sorted(set(report.unexpected) - {"head.weight"}) + sorted(report.missing)
         if leftover:
@@ -573,6 +577,12 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             return self.head_matmul(hidden, self.head.weight)
         return self.head(hidden.float()).float()
 
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """``GenerationMixin.generate`` after the checks transformers does not make (``check_generate_arguments``):
+        special token ids inside the vocabulary, ``num_beams`` / ``num_return_sequences`` bounded by the vocabulary
+        and by the memory they would take, a passed cache made by this model."""
+        check_generate_arguments(self, inputs, generation_config, kwargs)
+        return super().generate(inputs, generation_config, **kwargs)
 
     # How a static cache's decode step runs on CUDA (decode_graph.py): "cuda_graph" (captured once, replayed),
     # "compile" (torch.compile's fused kernels, captured the same way) or "off" (eager)
@@ -673,6 +683,101 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         return {key: value for key, value in inputs.items() if value is not None}
 
 
+_SPECIAL_IDS = ("eos_token_id", "pad_token_id", "bos_token_id")
+GENERATE_LOGIT_COPIES = 4  # fp32 [rows, vocab] a decode step holds: logits, processed scores, log-softmax, top-k input
+
+
+def _token_ids(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).tolist()
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` (CUDA: the driver's free bytes; CPU: Linux MemAvailable), None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def generate_memory_bytes(model, rows: int, total_tokens: int) -> dict:
+    """Estimated bytes ``generate`` holds for ``rows`` sequences of up to ``total_tokens``: the fp32 logits of a
+    step (``GENERATE_LOGIT_COPIES`` copies) and the decode cache (window rings, compressed entries, fp32 carries)."""
+    from .cache_deepseek_v41 import cache_bytes_per_token
+
+    text = model.config.text_config
+    element = model.embed.weight.element_size()
+    per_row = text.num_hidden_layers * text.sliding_window * text.head_dim * element
+    per_row += cache_bytes_per_token(text, element) * total_tokens
+    per_row += sum(2 * r * text.head_dim * 4 for i, r in enumerate(text.compress_ratios)
+                   if text.attention_mode(i) == "full" and r > 1)
+    return {"logits": GENERATE_LOGIT_COPIES * rows * text.vocab_size * 4, "cache": int(rows * per_row)}
+
+
+def check_generate_arguments(model, inputs, generation_config, kwargs) -> None:
+    """What ``generate`` would accept and then run wrong or for ever, refused with the numbers.
+
+    * ``eos_token_id`` / ``pad_token_id`` / ``bos_token_id`` must be token ids of this model: an eos past the
+      vocabulary never stops generation, a pad past it breaks padded rows;
+    * ``num_beams`` and ``num_return_sequences``: at most the vocabulary (more beams than tokens cannot differ),
+      and the rows they make (batch x the larger) must fit the device's free memory (``generate_memory_bytes``);
+    * ``past_key_values`` / ``cache``: made by this model (``DeepseekV41Cache.check_matches``).
+    """
+    config = generation_config if generation_config is not None else model.generation_config
+
+    def setting(key):
+        return kwargs[key] if key in kwargs else getattr(config, key, None)
+
+    vocab = model.config.text_config.vocab_size
+    for key in _SPECIAL_IDS:
+        value = setting(key)
+        if value is None:
+            continue
+        for token in _token_ids(value):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"{key}={value!r} is not a token id of this model (text_config.vocab_size = {vocab}): "
+                                 f"{'generation would never stop at it' if key == 'eos_token_id' else 'it cannot be embedded'}; "
+                                 f"give ids in [0, {vocab})")
+    counts = {}
+    for key in ("num_beams", "num_return_sequences"):
+        value = setting(key)
+        value = 1 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} must be a whole number >= 1")
+        if value > vocab:
+            raise ValueError(f"{key}={value} exceeds the vocabulary ({vocab} tokens): there are no {value} different "
+                             f"continuations of a prompt; use at most {vocab} (a handful is usual)")
+        counts[key] = value
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if isinstance(cache, DeepseekV41Cache):
+        cache.check_matches(model)
+    prompt = inputs if inputs is not None else kwargs.get("input_ids")
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2:
+        return
+    batch, length = prompt.shape
+    new = setting("max_new_tokens")
+    total = length + new if new is not None else max(length, setting("max_length") or length)
+    rows = batch * max(counts.values())
+    need = generate_memory_bytes(model, rows, total)
+    device = model.head.weight.device
+    free = available_memory_bytes(device)
+    if free is not None and sum(need.values()) > free:
+        gib = 2**30
+        raise ValueError(
+            f"num_beams={counts['num_beams']}, num_return_sequences={counts['num_return_sequences']} on a batch of "
+            f"{batch} make {rows} rows: about {sum(need.values()) / gib:.1f} GiB (fp32 logits "
+            f"{GENERATE_LOGIT_COPIES} x {rows} x {vocab} x 4 B = {need['logits'] / gib:.1f} GiB, cache for {total} "
+            f"tokens {need['cache'] / gib:.1f} GiB) but {free / gib:.1f} GiB are free on {device}; use fewer beams or "
+            "return sequences, or a smaller batch")
+
+
 def stack_released_experts(module, state_dict, prefix, *args) -> None:
     """``load_state_dict`` pre-hook of ``RoutedExperts``: released per-expert tensors (``{prefix}{e}.w1.weight``,
     what ``save_pretrained`` writes and the Trainer reloads on resume, possibly one shard at a time) are copied
@@ -745,8 +850,8 @@ def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, c
         raise ValueError(f"input_ids have shape {(b, s)}: an empty batch or a length-0 sequence; give at least "
                          "one row with at least one token")
     past = 0 if cache is None else cache.get_seq_length()
-    if past and cache.batch_size != b:
-        raise ValueError(f"the cache holds {cache.batch_size} rows but input_ids has {b}")
+    if cache is not None:
+        cache.check_matches(model, b)
     if past + s > model.max_positions:
         raise ValueError(f"sequence length {past + s} exceeds max_position_embeddings={model.max_positions}")
     if s > model.training_max_positions and torch.is_grad_enabled():

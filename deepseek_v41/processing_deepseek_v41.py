@@ -43,6 +43,7 @@ from .image_processing_deepseek_v41 import (
     PLAN_FIELDS,
     DeepseekV41ImageProcessor,
     DeepseekV41ImageProcessorKwargs,
+    check_images,
     open_image_source,
 )
 from .vision import TEXT, image_span_length, image_span_token_types, llm_grid
@@ -109,6 +110,24 @@ CHAT_TEMPLATE = (
 )
 
 
+# the JSON files a tokenizer folder may hold (transformers reads those present)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def raise_for_unreadable_json(folder: Path, names, error: Exception, what: str) -> None:
+    """After loading ``folder`` failed with ``error``: a ``ValueError`` naming the first of ``names`` present there
+    that is not valid JSON (the libraries' own errors name no file); returns when all parse."""
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as bad:
+            raise ValueError(f"{path} is not valid JSON (truncated or corrupted? {bad}); re-save the {what} or "
+                             "re-download the file") from error
+
+
 class DeepseekV41Tokenizer(PreTrainedTokenizerFast):
     """The DeepSeek-V4 byte-level BPE tokenizer (``tokenizer.json``, loaded as ``PreTrainedTokenizerFast`` does) whose
     ``from_pretrained`` falls back to ``CHAT_TEMPLATE`` when the folder has no chat template, so
@@ -120,7 +139,12 @@ class DeepseekV41Tokenizer(PreTrainedTokenizerFast):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        tokenizer = super().from_pretrained(*args, **kwargs)
+        try:
+            tokenizer = super().from_pretrained(*args, **kwargs)
+        except Exception as error:  # a truncated file surfaces as a bare JSONDecodeError naming no file
+            if args and Path(os.fspath(args[0])).is_dir():
+                raise_for_unreadable_json(Path(os.fspath(args[0])), TOKENIZER_FILES, error, "tokenizer")
+            raise
         if tokenizer.chat_template is None:
             tokenizer.chat_template = CHAT_TEMPLATE
         return tokenizer
@@ -161,7 +185,10 @@ class DeepseekV41Processor(ProcessorMixin):
                 "processor.image_processor"
             )
         texts = [text] if isinstance(text, str) else list(text)
-        images = [] if images is None else make_flat_list_of_images(open_image_source(images))
+        if images is not None:
+            images = open_image_source(images)
+            check_images(images)
+        images = [] if images is None else make_flat_list_of_images(images)
         n_placeholders = [t.count(self.image_token) for t in texts]
         if sum(n_placeholders) != len(images):
             raise ValueError(
@@ -279,12 +306,7 @@ class DeepseekV41Processor(ProcessorMixin):
                 return cls.from_checkpoint(folder)
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except Exception as error:  # tokenizers raises a bare Exception for a broken tokenizer.json
-            for name in needed:  # name the unreadable file instead of the library's generic message
-                try:
-                    json.loads((folder / name).read_text(encoding="utf-8"))
-                except (ValueError, UnicodeDecodeError) as bad:
-                    raise ValueError(f"{folder / name} is not valid JSON (truncated or corrupted? {bad}); "
-                                     "re-save the processor or re-download the file") from error
+            raise_for_unreadable_json(folder, needed, error, "processor")
             raise
 
     @classmethod

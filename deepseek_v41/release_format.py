@@ -275,10 +275,23 @@ def _blocked_amax(w: torch.Tensor, bo: int, bi: int) -> torch.Tensor:
     return padded.unflatten(1, (-1, bi)).unflatten(0, (-1, bo)).amax(dim=(1, 3))
 
 
+def _check_encodable(w: torch.Tensor, amax: torch.Tensor, fmt: str) -> None:
+    # A finite fp32 value always fits (its power-of-two scale stays inside E8M0's range): only NaN and Inf
+    # would be clamped to the format's maximum, so they are refused instead (amax is small: one pass over it).
+    if bool(torch.isfinite(amax).all()):
+        return
+    bad = ~torch.isfinite(w)
+    at = tuple(bad.nonzero()[0].tolist())
+    raise ValueError(f"it holds {w[at].item()} at {list(at)} ({int(bad.sum())} non-finite values): {fmt} would "
+                     "store it as its largest finite value; fix the weights (NaN/Inf) before encoding")
+
+
 def _encode_fp8(w: torch.Tensor, bo: int, bi: int) -> tuple[torch.Tensor, torch.Tensor]:
     _check_2d("weight", w)
     w = w.float()
-    exponent = _pow2_scale_exponent(_blocked_amax(w, bo, bi).clamp_min(1e-4), E4M3_MAX)  # [gr, gc]
+    amax = _blocked_amax(w, bo, bi)
+    _check_encodable(w, amax, f"FP8 E4M3 (max {E4M3_MAX:g})")
+    exponent = _pow2_scale_exponent(amax.clamp_min(1e-4), E4M3_MAX)  # [gr, gc]
     inverse = torch.ldexp(torch.ones_like(w), -exponent.repeat_interleave(bo, 0)[: w.shape[0]]
                           .repeat_interleave(bi, 1)[:, : w.shape[1]])
     q = (w * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # RNE
@@ -286,7 +299,9 @@ def _encode_fp8(w: torch.Tensor, bo: int, bi: int) -> tuple[torch.Tensor, torch.
 
 
 def encode_fp8_blockwise(w: torch.Tensor, block: int | tuple[int, int] = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> (q E4M3 [out, in], scale UE8M0 [ceil(out/bo), ceil(in/bi)]), scale = 2^ceil(log2(amax/448))."""
+    """W [out, in] -> (q E4M3 [out, in], scale UE8M0 [ceil(out/bo), ceil(in/bi)]), scale = 2^ceil(log2(amax/448)).
+
+    ``ValueError`` for NaN / Inf (they would saturate to 448); every finite fp32 value fits."""
     return _encode_fp8(w, *block_pair(block))
 
 
@@ -305,7 +320,9 @@ def encode_fp4_packed(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, t
     if w.shape[1] % 2:
         raise ValueError(f"FP4 packing needs an even number of columns, got shape {tuple(w.shape)}")
     w = w.float()
-    exponent = _pow2_scale_exponent(_blocked_amax(w, 1, group).clamp_min(E2M1_MAX * 2.0**-126), E2M1_MAX)
+    amax = _blocked_amax(w, 1, group)
+    _check_encodable(w, amax, f"FP4 E2M1 (max {E2M1_MAX:g})")
+    exponent = _pow2_scale_exponent(amax.clamp_min(E2M1_MAX * 2.0**-126), E2M1_MAX)
     inverse = torch.ldexp(torch.ones_like(w), -exponent.repeat_interleave(group, 1)[:, : w.shape[1]])
     x = (w * inverse).clamp(-E2M1_MAX, E2M1_MAX)
     magnitude = x.abs()

@@ -18,6 +18,7 @@ How the model uses this file (architecture.md §10)::
 The pure span/grid helpers at the top are shared with the processor (``processing_deepseek_v41.py``).
 """
 
+import itertools
 import math
 
 import torch
@@ -221,13 +222,27 @@ def encode_images(vision_tower, aligner, pixel_values, image_grid_hws):
 # Validation and merge
 # ---------------------------------------------------------------------------------------------------------
 def check_pixel_rows(pixel_values, grid_hws):
-    """The grids must account for every patch row of ``pixel_values``."""
+    """The grids must account for every patch row of ``pixel_values``, and every pixel must be finite (a NaN
+    would spread through the tower into every logit of the batch).  One host sync per forward with images."""
     need = sum(h * w for h, w in grid_hws)
     if pixel_values.shape[0] != need:
         raise ValueError(
             f"pixel_values has {pixel_values.shape[0]} patch rows but image_grid_hws "
             f"{[list(g) for g in grid_hws]} needs sum(h*w) = {need}; pass the processor's pixel_values and "
             "image_grid_hws together"
+        )
+    if not pixel_values.is_floating_point():
+        raise ValueError(f"pixel_values must be floating point (the processor's BF16 patches), got {pixel_values.dtype}")
+    if not bool(torch.isfinite(pixel_values.sum(dtype=torch.float32))):  # a sum is non-finite iff an element is
+        bad = ~torch.isfinite(pixel_values.reshape(pixel_values.shape[0], -1)).all(1)
+        if not bool(bad.any()):  # the sum overflowed; every value is finite
+            return
+        row = int(bad.nonzero()[0])
+        image = next(i for i, end in enumerate(itertools.accumulate(h * w for h, w in grid_hws)) if row < end)
+        raise ValueError(
+            f"pixel_values hold non-finite values (NaN or Inf) in {int(bad.sum())} patch rows, the first at row "
+            f"{row} (image {image} of {len(grid_hws)}); the processor's output is finite: check what produced or "
+            "modified these pixels"
         )
 
 

@@ -1,5 +1,6 @@
 """torchrun worker of tests/test_export.py: the trainer's model (FSDP2 + EP 2 + Engram owners 2 on 2 gloo ranks)
-exported by ``deepseek_v41.training.export``, and rank 0's ``save_pretrained`` of the same checkpoint's weights.
+exported by ``deepseek_v41.training.export``, and rank 0's ``save_pretrained`` of the same checkpoint's weights;
+then the refusals: NaN weights in the export, a damaged shard in the trainer's load.
 
     torchrun --nproc_per_node 2 tests/export_worker.py CHECKPOINT OUT_DIR
 """
@@ -15,10 +16,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def main(checkpoint: str, out: Path) -> None:
+    from deepseek_v41.checkpoint import CheckpointError, ReleasedCheckpoint
+    from deepseek_v41.hf_export import ExportError
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
     from deepseek_v41.training.export import export_model
     from deepseek_v41.training.loop import Trainer
     from deepseek_v41.training.recipe import load_recipe
+    from deepseek_v41.training.sharded_load import load_sharded_checkpoint
 
     recipe = load_recipe(REPO / "examples" / "configs" / "tiny_cpu.yaml", {
         "model.config.pretrained_model_name_or_path": checkpoint,
@@ -38,6 +42,38 @@ def main(checkpoint: str, out: Path) -> None:
         reference.save_pretrained(out / "reference_fp")
         reference.save_pretrained(out / "reference_release", quantize="release")
         mark("REFERENCES SAVED")
+    dist.barrier()
+    # a NaN in one expert row held by rank 1 only: every rank refuses before anything is gathered or written
+    experts = trainer.model.layers[0].ffn.experts
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            local = experts.w1.to_local() if hasattr(experts.w1, "to_local") else experts.w1
+            local[0, 0, 0] = float("nan")
+    try:
+        export_model(trainer, out / "nan_export", None)
+    except ExportError as error:
+        print(f"NAN REFUSED on rank {dist.get_rank()}: {error}", flush=True)
+    dist.barrier()
+    # a multi-shard export of ours with one shard damaged (same size) that rank 1 verifies: the trainer's load
+    # stops every rank naming it, before any tensor is read (each shard is compared by one rank)
+    if dist.get_rank() == 0:
+        reference.save_pretrained(out / "damaged", max_shard_size="300KB")
+        files = ReleasedCheckpoint(out / "damaged").files
+        damaged = files[1::2][0]  # the first shard of rank 1's share
+        data = bytearray(damaged.read_bytes())
+        header = 8 + int.from_bytes(data[:8], "little")
+        data[header + 64 : header + 72] = bytes(b ^ 0xFF for b in data[header + 64 : header + 72])
+        damaged.write_bytes(data)
+        print(f"DAMAGED {damaged} of {len(files)} shards", flush=True)
+    dist.barrier()
+    embed = trainer.model.embed.weight
+    before = (embed.to_local() if hasattr(embed, "to_local") else embed).clone()
+    try:
+        load_sharded_checkpoint(trainer.model, out / "damaged")
+    except CheckpointError as error:
+        after = embed.to_local() if hasattr(embed, "to_local") else embed
+        print(f"DAMAGED SHARD REFUSED on rank {dist.get_rank()} (weights untouched: {torch.equal(before, after)}): "
+              f"{error}", flush=True)
     dist.barrier()
 
 

@@ -4,6 +4,7 @@ export on 2 gloo ranks (equal to save_pretrained, memory near one block per rank
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,6 +242,78 @@ def test_refusals_touch_nothing(tmp_path):
     assert json.loads((tmp_path / "ours" / "config.json").read_text()) == {"v": 1.0}
 
 
+@pytest.mark.parametrize("quantize", [None, "release"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_before_anything_is_written(v4_tokenizer, tmp_path, quantize, bad):
+    """Issue 43: a model holding NaN/Inf weights exported (plain and released format) without complaint, and
+    ``release`` stored Inf as 448.0, which reloads.  Now: refused, naming the tensor, and nothing is written (no
+    destination, no staging sibling)."""
+    model = tiny_model(v4_tokenizer, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.layers[2].attn.wq_a.weight[3, 5] = bad
+    out = tmp_path / "export"
+    with pytest.raises(ExportError, match=rf"tensor 'layers.2.attn.wq_a.weight' holds {bad} at \[3, 5\] \(1 non-finite"):
+        model.save_pretrained(out, quantize=quantize)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_release_encoders_refuse_instead_of_saturating(tmp_path):
+    """The FP8 / FP4 encoders clamped Inf to the format's largest value (448, 6) and NaN to a NaN code; a source
+    the up-front check cannot see (no ``local`` values: rows produced on demand) is refused while it is encoded,
+    named, and the export folder is never created."""
+    w = torch.randn(64, 64)
+    w[7, 9] = float("inf")
+    for encode, fmt in ((encode_fp8_blockwise, "FP8 E4M3"), (encode_fp8_rows, "FP8 E4M3"), (encode_fp4_packed, "FP4")):
+        with pytest.raises(ValueError, match=rf"holds inf at \[7, 9\].*{fmt}.*largest finite value"):
+            encode(w)
+    name = "layers.0.attn.wq_a.weight"  # FP8 32x32 blocks in the released format
+    lazy = hf_export.TensorSource(name, (64, 64), torch.float32, lambda start, stop: w[start:stop])
+    with pytest.raises(ExportError, match=rf"tensor '{name}' cannot be encoded as fp8_block: it holds inf at"):
+        write_export([lazy], tmp_path / "out", {}, quantize="release")
+    with pytest.raises(ExportError, match=rf"tensor '{name}' holds inf"):  # plain: every written block is checked
+        write_export([lazy], tmp_path / "out", {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shard_checksums_are_recorded_and_verified(model, tmp_path, monkeypatch):
+    """Each shard's checksum (computed while writing) is in the index; bytes changed without changing the size
+    fail the load (``load_checkpoint_into_model`` and ``from_pretrained``) naming the shard, before any tensor is
+    read from it; ``verify_checksums=False`` or DEEPSEEK_V41_VERIFY_CHECKSUMS=0 skip the check."""
+    from deepseek_v41.checkpoint import CheckpointError, load_checkpoint_into_model
+    from deepseek_v41.checksums import checksum_of_file
+
+    out = tmp_path / "export"
+    model.save_pretrained(out, max_shard_size="300KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and sorted(index["metadata"]["checksums"]) == shards
+    for shard in shards:
+        assert checksum_of_file(out / shard) == index["metadata"]["checksums"][shard]
+    # swap two 8-byte words inside the second shard's data: same size, same header, finite values
+    damaged = out / shards[1]
+    data = bytearray(damaged.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    a, b = header + 64, header + 4096
+    data[a : a + 8], data[b : b + 8] = data[b : b + 8], data[a : a + 8]
+    damaged.write_bytes(data)
+    reloaded = DeepseekV41ForCausalLM._from_config(model.config, tokenizer=model.engram_tokenizer)
+    named = rf"shard {damaged} has checksum xxh3_64:\w+ but model.safetensors.index.json recorded xxh3_64:\w+"
+    with pytest.raises(CheckpointError, match=named):
+        load_checkpoint_into_model(reloaded, out)
+    load_checkpoint_into_model(reloaded, out, verify_checksums=False)  # the bytes are read as they are
+    with pytest.raises(CheckpointError, match=named):
+        DeepseekV41ForCausalLM.from_pretrained(out)
+    skipped = DeepseekV41ForCausalLM.from_pretrained(out, verify_checksums=False)
+    monkeypatch.setenv("DEEPSEEK_V41_VERIFY_CHECKSUMS", "0")
+    by_env = DeepseekV41ForCausalLM.from_pretrained(out)
+    for name, value in skipped.state_dict().items():  # the swapped words are loaded as they are, both ways
+        assert torch.equal(value, by_env.state_dict()[name]), name
+    assert any(not torch.equal(value, model.state_dict()[name]) for name, value in skipped.state_dict().items())
+    monkeypatch.setenv("DEEPSEEK_V41_VERIFY_CHECKSUMS", "no")
+    with pytest.raises(ValueError, match=r"DEEPSEEK_V41_VERIFY_CHECKSUMS='no': use 1 \(verify checksums\) or 0"):
+        DeepseekV41ForCausalLM.from_pretrained(out)
+
+
 @pytest.mark.parametrize("exchange", [True, False])
 def test_replaces_an_empty_folder_or_a_previous_export(tmp_path, monkeypatch, exchange):
     if not exchange:  # filesystems without renameat2(RENAME_EXCHANGE): two renames
@@ -387,6 +460,18 @@ def test_two_rank_export_equals_save_pretrained(tiny_checkpoint, tmp_path):
     result = torchrun(WORKER, tiny_checkpoint, tmp_path, nproc=2, timeout=600)
     assert_every_rank(result, 2, "EXPORTED")  # both ranks wrote their part of both exports
     assert ranks_with(result.stdout, "REFERENCES SAVED") == {0}
+    out = result.stdout
+    # a NaN in rank 1's expert rows: refused on both ranks, naming the tensor, before anything is written
+    for rank in (0, 1):
+        assert (f"NAN REFUSED on rank {rank}: tensor 'layers.0.ffn.experts.w1' holds nan at [0, 0, 0] (1 non-finite"
+                in out), out[-3000:]
+    assert "(index within rank 1's rows)" in out and not (tmp_path / "nan_export").exists()
+    # a shard of our export damaged (same size), compared by rank 1: every rank stops naming it, nothing loaded
+    damaged, shards = re.search(r"DAMAGED (\S+) of (\d+) shards", out).groups()
+    assert int(shards) > 1
+    for rank in (0, 1):
+        assert (f"DAMAGED SHARD REFUSED on rank {rank} (weights untouched: True): shard {damaged} has checksum "
+                in out), out[-3000:]
     for kind in ("fp", "release"):
         assert_same_tensors(tensors_of(tmp_path / f"sharded_{kind}"), tensors_of(tmp_path / f"reference_{kind}"))
         sharded = json.loads((tmp_path / f"sharded_{kind}" / "config.json").read_text())

@@ -331,3 +331,64 @@ def test_snapshot_generation_config_is_loaded(snapshot, golden_ids, tmp_path):
     assert model.generation_config.max_new_tokens == 3
     with torch.no_grad():
         assert model.generate(golden_ids[:1, :5], do_sample=False).shape == (1, 8)
+
+
+# ---- what generate() would accept and then run wrong or for ever (issue 43) --------------------------------
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("eos_token_id", 129285, "generation would never stop at it"),
+    ("eos_token_id", [1, 200000], "generation would never stop at it"),
+    ("pad_token_id", -1, "it cannot be embedded"),
+    ("bos_token_id", 129280, "it cannot be embedded"),
+])
+def test_special_token_ids_outside_the_vocabulary(model_bf16, golden_ids, key, value, message):
+    with pytest.raises(ValueError, match=rf"^{key}=.* is not a token id of this model \(text_config.vocab_size = "
+                                         rf"129280\): {message}"):
+        model_bf16.generate(golden_ids[:1, :5], max_new_tokens=2, do_sample=False, **{key: value})
+
+
+def test_beams_past_the_vocabulary_or_the_memory_are_refused(model_bf16, golden_ids, monkeypatch):
+    """num_beams larger than the vocabulary ran for minutes (memory swinging 2-8 GB); a count within the
+    vocabulary whose rows would not fit is refused with the estimate (here: 1 GiB free)."""
+    from deepseek_v41 import modeling_deepseek_v41
+
+    prompt = golden_ids[:1, :5]
+    for key in ("num_beams", "num_return_sequences"):
+        with pytest.raises(ValueError, match=rf"{key}=129285 exceeds the vocabulary \(129280 tokens\)"):
+            model_bf16.generate(prompt, max_new_tokens=2, num_beams=129285 if key == "num_beams" else 1,
+                                **({key: 129285} if key != "num_beams" else {}))
+    monkeypatch.setattr(modeling_deepseek_v41, "available_memory_bytes", lambda device: 2**30)
+    with pytest.raises(ValueError, match=r"num_beams=1000, num_return_sequences=1 on a batch of 1 make 1000 rows: "
+                                         r"about [\d.]+ GiB \(fp32 logits 4 x 1000 x 129280 x 4 B = 1.9 GiB.* but 1.0 "
+                                         r"GiB are free on cpu"):
+        model_bf16.generate(prompt, max_new_tokens=2, num_beams=1000)
+    assert model_bf16.generate(prompt, max_new_tokens=2, num_beams=2, do_sample=False).shape == (1, 7)
+
+
+@torch.no_grad()
+def test_a_cache_from_another_model_is_refused(snapshot, model_bf16, model_fp32, golden_ids):
+    """Only the cache's row count was checked: another model's cache (other layer count, widths) was used."""
+    import copy
+
+    prompt = golden_ids[:1, :6]
+    config = copy.deepcopy(model_bf16.config)
+    config.text_config.num_hidden_layers = 8
+    config.text_config.compress_ratios = config.text_config.compress_ratios[:8]
+    with pytest.raises(ValueError, match="the cache was made for another model: its text_config.num_hidden_layers "
+                                         "is 8, this model's is 9"):
+        model_bf16.generate(prompt, max_new_tokens=2, past_key_values=DeepseekV41Cache(config))
+    config = copy.deepcopy(model_bf16.config)
+    config.text_config.head_dim = 128
+    with pytest.raises(ValueError, match="its text_config.head_dim is 128, this model's is 64"):
+        model_bf16(prompt, past_key_values=DeepseekV41Cache(config))
+    filled = returned_cache(model_bf16(prompt, use_cache=True))  # a bf16 model's cache, given to the fp32 model
+    with pytest.raises(ValueError, match=r"the cache's layer 0 window_kv is torch.bfloat16 but this model computes "
+                                         r"in torch.float32"):
+        model_fp32(golden_ids[:1, 6:7], past_key_values=filled)
+    with pytest.raises(ValueError, match="the cache holds 1 rows but input_ids has 2"):
+        model_bf16(golden_ids[:2, 6:7], past_key_values=filled)
+    filled.layers[4].index_k = filled.layers[4].index_k[..., :16]  # a width no layer of this model has
+    with pytest.raises(ValueError, match=r"the cache's layer 4 index_k has shape \(1, \d+, 16\); this model needs "
+                                         r"\[1, ·, 32\]"):
+        model_bf16(golden_ids[:1, 6:7], past_key_values=filled)

@@ -253,3 +253,28 @@ def test_bad_path_or_bytes_are_named(tiny_processor, tmp_path):
     file.write_bytes(file.read_bytes()[:100])
     with pytest.raises(ValueError, match=rf"image file {file}: not an image PIL can decode"):
         tiny_processor(str(file))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (np.zeros((20, 20, 2), np.uint8), r"image 1 is an array of shape \(20, 20, 2\) with no 3-channel axis"),
+    (torch.zeros(2, 20, 20, dtype=torch.uint8), r"image 1 is an array of shape \(2, 20, 20\) with no 3-channel axis"),
+    (np.zeros(30, np.uint8), r"image 1 is a 1-D array of shape \(30,\)"),
+    (np.zeros((20, 20), np.uint8), r"image 1 is a 2-D array of shape \(20, 20\)"),
+    (None, r"image 1 is None"),
+    (7, r"image 1 is of type int \(7\)"),
+    (np.zeros((20, 20, 3), np.float32), r"image 1 is an array of dtype float32: expected an RGB uint8 image"),
+    (np.zeros((0, 20, 3), np.uint8), r"image 1 is an empty array of shape \(0, 20, 3\)"),
+])
+def test_unsupported_images_are_named_with_the_accepted_forms(tiny_processor, bad, message):
+    """Issue 43: 2-channel, 1-D and None images reached the image library's errors ("Unable to infer channel
+    dimension format", "Could not make a flat list of images"); the error now names the image and the forms."""
+    from deepseek_v41.processing_deepseek_v41 import IMAGE_PLACEHOLDER, DeepseekV41Processor
+
+    good = np.zeros((20, 20, 3), np.uint8)
+    accepted = r".*; accepted: a PIL image, a local path or URL, the encoded file's bytes, or a uint8 array"
+    with pytest.raises(ValueError, match=message + accepted):
+        tiny_processor([good, bad])
+    processor = DeepseekV41Processor.__new__(DeepseekV41Processor)  # __call__ checks images before the tokenizer
+    processor.image_token = IMAGE_PLACEHOLDER
+    with pytest.raises(ValueError, match=message + accepted):
+        processor(images=[good, bad], text=f"a {IMAGE_PLACEHOLDER} b {IMAGE_PLACEHOLDER}")

@@ -162,3 +162,14 @@ def test_released_snapshot_processor_and_model_end_to_end():
     model = AutoModelForCausalLM.from_pretrained(snapshot)
     with torch.no_grad():
         assert torch.isfinite(model(**inputs).logits).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_pixel_values_are_refused(model, processor, bad):
+    """Issue 43: NaN pixel_values gave NaN logits without an error."""
+    inputs = batch(processor, [f"{IMAGE_PLACEHOLDER} one {IMAGE_PLACEHOLDER} two"], [image(40, 40, 0), image(40, 40, 1)])
+    first = int(inputs["image_grid_hws"][0].prod())
+    inputs["pixel_values"][first + 2, 1, 3, 4] = bad
+    with pytest.raises(ValueError, match=rf"pixel_values hold non-finite values \(NaN or Inf\) in 1 patch rows, the "
+                                         rf"first at row {first + 2} \(image 1 of 2\)"):
+        model(**inputs)

@@ -128,6 +128,26 @@ def test_a_folders_own_chat_template_wins(snapshot, tmp_path):
     assert AutoTokenizer.from_pretrained(snapshot, chat_template="{{ 'x' }}").chat_template == "{{ 'x' }}"
 
 
+@pytest.mark.parametrize("name, loader", [("tokenizer.json", AutoTokenizer),
+                                          ("tokenizer_config.json", DeepseekV41Tokenizer)])
+def test_a_truncated_tokenizer_file_is_named(request, tmp_path, name, loader):
+    """Issue 43: AutoTokenizer on a snapshot or an export with a truncated tokenizer.json raised transformers'
+    bare JSONDecodeError, naming no file; now the file, with what to do.  (A truncated tokenizer_config.json
+    fails in AutoTokenizer before it picks a class, so only our class names it.)"""
+    for source in ("snapshot", "text_export"):
+        folder = tmp_path / source
+        folder.mkdir()
+        for file in request.getfixturevalue(source).iterdir():
+            if file.is_file() and file.suffix != ".safetensors":
+                shutil.copy(file, folder)
+        assert type(AutoTokenizer.from_pretrained(folder)) is DeepseekV41Tokenizer  # intact: loads
+        whole = (folder / name).read_bytes()
+        (folder / name).write_bytes(whole[: len(whole) // 2])
+        with pytest.raises(ValueError, match=rf"{folder / name} is not valid JSON \(truncated or corrupted\? .*\); "
+                                             "re-save the tokenizer or re-download the file"):
+            loader.from_pretrained(folder)
+
+
 def test_a_transformers_without_the_tokenizer_routing_is_named(monkeypatch, caplog):
     from transformers.models.auto import tokenization_auto
 

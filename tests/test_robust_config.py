@@ -87,13 +87,25 @@ def test_good_dtypes():
     assert DeepseekV41Config(dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
-def test_image_token_id_inside_the_vocabulary():
+def test_image_token_id_inside_the_vocabulary(tmp_path):
     with pytest.raises(ValueError, match=r"^image_token_id = 129280: .*vocab_size = 129280"):
         DeepseekV41Config(image_token_id=129280)
-    # no vision tower: the id is never placed, so a small text-only vocabulary keeps the default
-    tiny_config(vision={"num_hidden_layers": 0})
-    with pytest.raises(ValueError, match="image_token_id"):
+    assert DeepseekV41Config().image_token_id == 129264  # unset: the release's id
+    # no vision tower: unset stays unset when the vocabulary does not hold the release's id
+    assert tiny_config(vision={"num_hidden_layers": 0}).image_token_id is None
+    with pytest.raises(ValueError, match=r"^image_token_id = None: .*a vision tower needs it"):
         tiny_config(vision={"num_hidden_layers": 1})
+    # issue 43: set past the vocabulary in a text-only config, it loaded (the check ran only with a vision tower)
+    with pytest.raises(ValueError, match=r"^image_token_id = 5000: must be a token id in \[0, text_config.vocab_size = "
+                                         r"1024\)"):
+        tiny_config(image_token_id=5000)
+    config = tiny_config().to_dict()
+    config["image_token_id"] = 129264  # a saved text-only config edited (or written by other code)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^image_token_id = 129264"):
+        DeepseekV41Config.from_pretrained(tmp_path)
+    tiny_config().save_pretrained(tmp_path / "saved")  # unset round-trips
+    assert DeepseekV41Config.from_pretrained(tmp_path / "saved").image_token_id is None
 
 
 def test_layer_plan_still_checked():

@@ -168,3 +168,31 @@ def test_cli_prints_the_plan(tiny_checkpoint):
     assert out.returncode == 1, out.stderr[-3000:]  # 50 MiB cannot hold the tiny model's fp32 logits
     assert "9 layers, 8 routed experts" in out.stdout and "fits: NO" in out.stdout
     assert "activations: one block live (recompute)" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "argument --nodes: 0 must be at least 1"),
+    (["--gpus-per-node", "0"], "argument --gpus-per-node: 0 must be at least 1"),
+    (["--seq", "0"], "argument --seq: 0 must be at least 1"),
+    (["--seq", "-5"], "argument --seq: -5 must be at least 1"),
+    (["--nodes", "-3"], "argument --nodes: -3 must be at least 1"),
+    (["--nodes", "2.5"], "argument --nodes: '2.5' is not a whole number"),
+    (["--gpu-mem-gib", "-80"], "argument --gpu-mem-gib: -80 must be a finite number of GiB > 0"),
+    (["--gpu-mem-gib", "nan"], "argument --gpu-mem-gib: nan must be a finite number of GiB > 0"),
+    (["--gpu-mem-gib", "inf"], "argument --gpu-mem-gib: inf must be a finite number of GiB > 0"),
+])
+def test_cli_refuses_non_positive_sizes(args, message, capsys):
+    """Issue 43: 0 was taken as "not given", --seq -5 planned -0.00 GiB and exited 0, a negative or NaN memory
+    answered "fits: NO", --nodes -3 reached the divisibility check; each is now an argument error."""
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(["examples/configs/tiny_cpu.yaml", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_takes_the_sizes_given(monkeypatch, capsys):
+    monkeypatch.setattr(plan, "plan_memory", lambda config, recipe, world, seq: {"seen": world * 1000 + seq})
+    monkeypatch.chdir(REPO)
+    assert plan.main(["examples/configs/tiny_cpu.yaml", "--nodes", "3", "--seq", "7", "--distributed.ep_size=1",
+                      "--model.config.pretrained_model_name_or_path=/nonexistent"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank: 3 ranks" in out and "x 7 tokens" in out

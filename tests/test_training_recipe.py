@@ -29,11 +29,11 @@ def test_shipped_recipes_parse(monkeypatch):
 
 
 def test_dotted_overrides_are_typed():
-    overrides = parse_overrides(["--model.config.pretrained_model_name_or_path=/x", "--optimizer.lr", "2e-4",
+    overrides = parse_overrides(["--model.config.pretrained_model_name_or_path=/x", "--optimizer.lr", "2e-3",
                                  "--model.config.backend.attn=torch", "--wandb.enable=true"])
     recipe = load_recipe(CONFIGS / "tiny_cpu.yaml", overrides)
     assert recipe["model"]["config"]["pretrained_model_name_or_path"] == "/x"
-    assert recipe["optimizer"]["lr"] == 2e-4
+    assert recipe["optimizer"]["lr"] == 2e-3
     assert recipe["model"]["config"]["backend"]["attn"] == "torch"
     assert recipe["model"]["config"]["backend"]["dispatcher"] == "torch"  # the rest of the section is kept
     assert recipe["wandb"]["enable"] is True
@@ -142,6 +142,53 @@ def test_finetune_takes_the_recipe_positionally_or_as_config():
     with pytest.raises(RecipeError, match="--config needs a recipe path"):
         finetune.split_config(["--config"])
 
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"lr_scheduler.lr_decay_steps": 0},
+     r"lr_decay_steps=0 is not after lr_warmup_steps=10: .* min_lr=0.0003 from update 11 on"),
+    ({"lr_scheduler.lr_decay_steps": 0, "lr_scheduler.lr_warmup_steps": 0},
+     r"lr_decay_steps=0 is not after lr_warmup_steps=0"),
+    ({"lr_scheduler.lr_decay_steps": 10}, r"lr_decay_steps=10 is not after lr_warmup_steps=10"),
+    ({"lr_scheduler.min_lr": 0.01}, r"min_lr=0.01 is above optimizer.lr=0.003"),
+    ({"checkpoint.export_quantize": "release", "checkpoint.export_dir": None},
+     r"export_quantize=release has no effect without checkpoint.export_dir"),
+])
+def test_settings_that_cancel_one_another_are_refused(overrides, message):
+    """Issue 43: lr_decay_steps 0 trained at min_lr from the first update after warmup, without a word."""
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(CONFIGS / "tiny_cpu.yaml", overrides)
+    load_recipe(CONFIGS / "tiny_cpu.yaml", {**overrides, "lr_scheduler.lr_decay_style": "constant",
+                                             "checkpoint.export_quantize": None})  # constant: no decay to cancel
+
+
+def test_the_resolved_schedule_and_unused_settings_are_printed():
+    from deepseek_v41.training.optim import describe_schedule
+    from deepseek_v41.training.recipe import recipe_notes
+
+    recipe = load_recipe(CONFIGS / "tiny_cpu.yaml", {"checkpoint.keep_last": 2, "step_scheduler.val_every_steps": 9})
+    text, warnings = describe_schedule(recipe["lr_scheduler"], recipe["optimizer"]["lr"], 4)
+    assert text == ("[finetune] learning rate: warmup 0 -> 0.003 over updates 1-11, cosine decay to 0.0003 by update "
+                    "101, then 0.0003; this run: 4 updates at 0 .. 0.0009 .. 0.0009 (first, peak, last)")
+    assert warnings == [("the run ends during the warmup (lr_warmup_steps=10 >= 4 updates): the peak lr 0.003 is "
+                         "never reached (highest 0.0009); lower lr_warmup_steps to train at the peak")]
+    _, warnings = describe_schedule(recipe["lr_scheduler"], recipe["optimizer"]["lr"], 50)
+    assert warnings[0].startswith("the run ends before the decay does (lr_decay_steps=100 >= 50 updates)")
+    assert describe_schedule(recipe["lr_scheduler"], recipe["optimizer"]["lr"], 101)[1] == []
+    notes = recipe_notes(recipe, 4)
+    assert notes[0].startswith("checkpoint.keep_last=2 has no effect: checkpoint.save_every_steps is 0")
+    assert notes[1].startswith("step_scheduler.val_every_steps=9 is past this run's 4 updates")
+
+
+def test_checkpoint_dir_must_be_a_folder(tmp_path):
+    """Issue 43: a checkpoint.dir that is a file failed only at the first save, after the training steps."""
+    (tmp_path / "file").write_text("x")
+    for key, value, where in (("checkpoint.dir", tmp_path / "file", "is a file"),
+                              ("checkpoint.dir", tmp_path / "file" / "ckpts", f"lies under {tmp_path / 'file'}"),
+                              ("output_dir", tmp_path / "file", f"lies under {tmp_path / 'file'}")):
+        with pytest.raises(RecipeError, match=rf"^{key}: the checkpoint folder .* {where}, which is a file|"
+                                              rf"^{key}: the checkpoint folder .* {where}, not a folder"):
+            load_recipe(CONFIGS / "tiny_cpu.yaml", {key: str(value)})
+    load_recipe(CONFIGS / "tiny_cpu.yaml", {"checkpoint.dir": str(tmp_path / "new" / "ckpts")})
 
 def test_export_dir_may_be_a_run_subfolder_but_never_overlaps_what_the_run_writes_or_reads(tmp_path):
     """The export replaces its whole folder: a subfolder of output_dir is fine (the tiny recipe's

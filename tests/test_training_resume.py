@@ -9,6 +9,7 @@ This file is also the torchrun worker for these launches and the kill-during-sav
 (``__main__``).
 """
 
+import errno
 import json
 import os
 import re
@@ -97,15 +98,21 @@ def saved_fp32(saved_runs):
 
 
 def test_async_saves_are_committed_and_pruned(saved):
+    from deepseek_v41.checksums import checksum_of_file
     from deepseek_v41.training.checkpointing import verify_folder
 
     _, root = saved
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003", "step_00000004"]
     for step in (2, 3, 4):
-        meta = verify_folder(root / f"step_{step:08d}")
+        folder = root / f"step_{step:08d}"
+        meta = verify_folder(folder)
         assert (meta["step"], meta["world_size"], meta["ep_size"], meta["engram_owners"]) == (step, 2, 2, 2)
         assert meta["data"]["next_update"] == step
-        assert {"rng/rank0.json", "rng/rank1.json", ".metadata"} <= set(meta["files"])
+        assert {"rng/rank0.json", "rng/rank1.json", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(meta["files"])
+        # every file's checksum, computed while it was written (each rank its own), equals a read of it now
+        assert set(meta["checksums"]) == set(meta["files"]) and not (folder / "checksums").exists()
+        for name, recorded in meta["checksums"].items():
+            assert checksum_of_file(folder / name, recorded.split(":")[0]) == recorded, name
 
 
 def test_checkpoint_holds_global_shapes_and_int16_remainders(saved):
@@ -214,6 +221,50 @@ def test_latest_resumes_bit_identically_and_kill_during_save_leaves_the_previous
     assert latest_checkpoint(ckpts) == ckpts / "step_00000003"
 
 
+def _damage(path: Path, nbytes: int, random_bytes: bool = False) -> None:
+    """Overwrite ``nbytes`` of (non-zero) data in the middle of ``path`` with zeros or random bytes; same size."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2
+    while not any(data[at : at + nbytes]):
+        at += nbytes
+    data[at : at + nbytes] = os.urandom(nbytes) if random_bytes else bytes(nbytes)
+    path.write_bytes(data)
+
+
+def test_damaged_and_vanishing_steps_fall_back_and_a_full_disk_is_explained(saved, tmp_path):
+    """Issue 43, end to end on 2 ranks.  ``latest`` over steps 2-4 with 4 KiB of step 4 zeroed (same size) and
+    step 3 deleted after it was checked, just before its load: step 4 passes the start-up checks (sizes), its
+    checksums fail while it loads (the file named), the fallback skips it (checked in full), step 3 vanishes, and
+    the run resumes from step 2, its updates 3-4 equal to the straight run's bit for bit.  Then a run whose disk fills
+    during its first save: every rank stops with an error naming the folder and the bytes the step needs, and
+    the partial ``.tmp`` folder is gone."""
+    tmp, root = saved
+    out, full = tmp_path / "V", tmp_path / "FULL"
+    ckpts = out / "checkpoints"
+    for step in (2, 3, 4):
+        shutil.copytree(root / f"step_{step:08d}", ckpts / f"step_{step:08d}")
+    _damage(ckpts / "step_00000004" / "__0_0.distcp", 4096)
+    result = launch(tmp, out, "--checkpoint.resume_from=latest", worker="vanish_then_disk_full", check=False,
+                    then=[run_args(tmp, full, 2, "--checkpoint.save_every_steps=1")])
+    text = result.stdout
+    damaged = ckpts / "step_00000004" / "__0_0.distcp"
+    assert f"resume_from=latest: {damaged} has checksum" in text and "the state loaded from it is discarded" in text
+    assert f"skipping {ckpts / 'step_00000004'}: {damaged} has checksum" in text, text
+    assert f"DELETED {ckpts / 'step_00000003'}" in text
+    assert f"{ckpts / 'step_00000003'} is gone or incomplete since it was checked" in text, text[-3000:]
+    assert "falling back to the newest intact step" in text
+    assert f"resumed from {ckpts / 'step_00000002'} at step 2" in text, text[-3000:]
+    straight = losses(tmp / "A")
+    assert losses(out) == {3: straight[3], 4: straight[4]}
+    # the second run: a full disk during the save of step 1
+    assert result.returncode != 0
+    errors = result.stderr
+    assert "CheckpointSaveError" in errors and f"the disk holding {full / 'checkpoints'} is full" in errors, errors[-3000:]
+    assert "This step needs about" in errors and "are free there now" in errors
+    assert f"The partial folder {full / 'checkpoints' / 'step_00000001.tmp'} was removed" in errors
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == []
+
+
 def test_one_failing_rank_ends_every_rank_promptly(tmp_path):
     """Rank 1 raises while rank 0 waits in a collective: both exit at once, with rank 1's message."""
     start = time.monotonic()
@@ -275,6 +326,75 @@ def test_latest_skips_damaged_folders_and_explicit_resume_names_them(saved, tmp_
         ck.resolve_resume(recipe)
     folder, meta = ck.resolve_resume(_recipe(tmp, **{"checkpoint.resume_from": str(good)}))
     assert folder == good and meta["step"] == 1
+
+
+def test_same_size_damage_is_caught_by_checksums(saved, tmp_path):
+    """Issue 43: 4 KiB zeroed in the middle of one rank's file, 64 random bytes in the other's: every size and
+    tensor-record start still passes, only the checksums see it.  ``latest`` falls back past both damaged steps,
+    naming the files; an explicit ``resume_from`` names the file; ``verify_checksums: false`` reads nothing and
+    says the folder was checked by size only; checks deferred to the load (the trainer's way) fail it there."""
+    import torch
+
+    from deepseek_v41.training import checkpointing as ck
+    from deepseek_v41.training.recipe import RecipeError
+
+    tmp, root = saved
+    for step in (2, 3, 4):
+        shutil.copytree(root / f"step_{step:08d}", tmp_path / f"step_{step:08d}")
+    four, three = tmp_path / "step_00000004", tmp_path / "step_00000003"
+    _damage(four / "__0_0.distcp", 4096)
+    _damage(three / "__1_0.distcp", 64, random_bytes=True)
+    ck.verify_folder(four)  # sizes and record starts pass
+    log = []
+    assert ck.latest_checkpoint(tmp_path, log.append) == tmp_path / "step_00000002"
+    text = "\n".join(log)
+    for folder, file in ((four, "__0_0.distcp"), (three, "__1_0.distcp")):
+        assert f"skipping {folder}: {folder / file} has checksum xxh3_64:" in text, text
+        assert "but meta.json recorded xxh3_64:" in text
+    with pytest.raises(RecipeError, match=r"__0_0.distcp has checksum .* but meta.json recorded .*resume_from=latest"):
+        ck.resolve_resume(_recipe(tmp, **{"checkpoint.resume_from": str(four)}))
+    log = []
+    folder, _ = ck.resolve_resume(_recipe(tmp, **{"checkpoint.resume_from": str(four),
+                                                  "checkpoint.verify_checksums": False}), log.append)
+    assert folder == four and "checked by size only" in log[0]
+    # deferred to the load (as the trainer does): sizes now, checksums compared while DCP reads the tensors
+    folder, meta = ck.resolve_resume(_recipe(tmp, **{"checkpoint.resume_from": str(four)}), defer_checksums=True)
+    assert folder == four
+
+    def empty_state(folder):
+        md = ck.read_dcp_metadata(folder).state_dict_metadata
+        return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items() if hasattr(m, "size")}
+
+    with pytest.raises(ck.CheckpointDamaged, match=rf"{four / '__0_0.distcp'} has checksum .* the state loaded from "
+                                                   "it is discarded"):
+        ck.load_verified(empty_state(four), four, meta, verify=True, no_dist=True)
+    loaded, intact = empty_state(four), empty_state(root / "step_00000004")
+    ck.load_verified(loaded, four, meta, verify=False, no_dist=True)  # unchecked: the zeroed bytes come back
+    ck.load_verified(intact, root / "step_00000004", meta, verify=True, no_dist=True)
+    differ = [k for k in intact if not torch.equal(loaded[k], intact[k])]
+    assert len(differ) == 1, differ  # the 4 KiB zeroed lie inside one tensor
+
+
+def test_a_folder_vanishing_while_it_is_checked_is_named(saved, tmp_path, monkeypatch):
+    """A step folder removed while ``latest`` checks it: skipped with a message, never a raw FileNotFoundError."""
+    from deepseek_v41.training import checkpointing as ck
+
+    _, root = saved
+    for step in (2, 3):
+        shutil.copytree(root / f"step_{step:08d}", tmp_path / f"step_{step:08d}")
+    read = ck.read_dcp_metadata
+
+    def read_then_vanish(folder):
+        metadata = read(folder)
+        if Path(folder).name == "step_00000003":
+            shutil.rmtree(folder)
+        return metadata
+
+    monkeypatch.setattr(ck, "read_dcp_metadata", read_then_vanish)
+    log = []
+    assert ck.latest_checkpoint(tmp_path, log.append) == tmp_path / "step_00000002"
+    assert f"skipping {tmp_path / 'step_00000003'}: {tmp_path / 'step_00000003'} could not be read while it was " \
+           "checked" in log[0] and "No such file" in log[0]
 
 
 def test_changed_recipe_is_refused_but_changed_layout_is_not(saved):
@@ -372,11 +492,11 @@ def _worker(case: str, argv: list) -> None:
     if case == "kill_at_commit_4":  # after every rank's data is written and fsynced, before meta.json
         commit = checkpointing.Checkpointer.commit
 
-        def commit_or_die(self, tmp, final, meta):
+        def commit_or_die(self, tmp, final, meta, *args):
             if meta["step"] == 4:
                 print("SIGKILL during the save of step 4", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return commit(self, tmp, final, meta)
+            return commit(self, tmp, final, meta, *args)
 
         checkpointing.Checkpointer.commit = commit_or_die
     elif case == "resave_after_resume":  # save the state just loaded (at this layout), then train on
@@ -388,6 +508,43 @@ def _worker(case: str, argv: list) -> None:
             return step
 
         loop.Trainer._resume = resume_and_save
+    elif case == "vanish_then_disk_full":
+        # step 3's folder is deleted (by rank 0) after it was checked, just before it is read
+        load = checkpointing.Checkpointer.load
+
+        def load_after_vanishing(self, folder, meta, *args, **kwargs):
+            if Path(folder).name == "step_00000003" and not getattr(self, "vanished", False):
+                self.vanished = True
+                if dist.get_rank() == 0:
+                    shutil.rmtree(folder)
+                    print(f"DELETED {folder}", flush=True)
+                dist.barrier()
+            return load(self, folder, meta, *args, **kwargs)
+
+        checkpointing.Checkpointer.load = load_after_vanishing
+        # the disk is full while a step of a run under .../FULL is written: each rank's file takes 1 MB, then
+        # the file's write fails as the kernel's would (ENOSPC)
+        from deepseek_v41.checksums import HashingStream
+
+        class FullDisk:
+            def __init__(self, raw):
+                self.raw, self.room = raw, 1 << 20
+
+            def write(self, data):
+                if len(data) > self.room:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                self.room -= len(data)
+                return self.raw.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self.raw, name)
+
+        init = HashingStream.__init__
+
+        def init_on_a_full_disk(self, raw, *args):
+            init(self, FullDisk(raw) if "FULL" in str(getattr(raw, "name", "")) else raw, *args)
+
+        HashingStream.__init__ = init_on_a_full_disk
     elif case == "fail_on_rank1":  # rank 0 then waits in an all-reduce that rank 1 never joins
         class FailingTrainer:
             def __init__(self, recipe):

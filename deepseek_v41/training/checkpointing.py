@@ -17,7 +17,14 @@ a checkpoint saved at one layout (world size, EP size, Engram owners) loads at a
 
 Layout of ``<checkpoint.dir>/step_{step:08d}/``: DCP's ``.metadata`` and ``__{rank}_*.distcp`` files,
 ``rng/rank{r}.json`` (Python and torch RNG states, JSON) and ``meta.json`` (step, the layout it was saved at,
-what a resume must not change, the data position, and every file's size).  A save is written into
+what a resume must not change, the data position, every file's size and checksum).  Checksums
+(``deepseek_v41.checksums``: XXH3-64) are computed from the bytes as each file is written (no second read):
+every rank writes its files' checksums to ``checksums/rank{r}.json`` before DCP's commit collective, and rank 0
+merges them (and ``.metadata``'s) into ``meta.json``.  A resume verifies them, each rank reading its share of
+the files on helper threads while DCP loads (the reads overlap the load rather than adding a pass before it): a
+file whose bytes changed without changing size (zeroed blocks, flipped bits) fails, named, on every rank once
+the load is done, and ``resume_from: latest`` falls back to the previous step whose checksums all match,
+loaded in full again (``checkpoint.verify_checksums: false`` skips the reads).  A save is written into
 ``step_{step:08d}.tmp``; once every rank's files are written and fsynced (DCP ``sync_files``), rank 0 writes
 ``meta.json``, fsyncs it and the folder, and renames the folder into place.  A crash or ``kill -9`` before
 that rename leaves only a ``.tmp`` folder, which ``resume_from: latest`` never picks.  ``latest`` also skips
@@ -30,11 +37,16 @@ metadata classes, tensors with ``weights_only=True`` (DCP's reader), everything 
 ``checkpoint.async_save`` stages this rank's shards in host memory and writes them in a background thread
 (its own gloo group) while training continues; a synchronous save streams from the live tensors.
 ``checkpoint.keep_last`` prunes older complete steps after each commit.
+
+Failures say what happened: a full disk during a save names the folder, the bytes the step needs and the bytes
+free, and removes the partial ``.tmp`` folder; a step folder that vanishes between its checks and its load
+makes ``latest`` fall back to the previous intact step (an explicit ``resume_from`` names the folder).
 """
 
 import base64
 import dataclasses
 import enum
+import errno
 import hashlib
 import importlib
 import io
@@ -46,14 +58,18 @@ import random
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor, Shard
 
+from deepseek_v41.checksums import HashingStream, checksum_of_bytes, file_matches
 from deepseek_v41.hf_export import fsync_path
 from deepseek_v41.training.engram_owner import engram_modules
 from deepseek_v41.training.expert_parallel import global_expert_view, routed_expert_modules
@@ -64,6 +80,8 @@ META = "meta.json"
 FORMAT = 2
 STEP_NAME = re.compile(r"step_(\d{8})")
 ZIP_MAGIC = b"PK\x03\x04"  # every DCP tensor item is one torch.save zip record
+CHECKSUMS = "checksums"  # per-rank checksum files of a save in progress, merged into meta.json at the commit
+VERIFY_THREADS = 4  # files one rank hashes at once when verifying (reads overlap on network filesystems)
 
 
 def checkpoint_root(recipe: dict) -> Path:
@@ -179,8 +197,19 @@ class SafeReader(dcp.FileSystemReader):
 
 
 def verify_folder(folder) -> dict:
-    """A complete, intact checkpoint folder -> its ``meta.json``; otherwise ``RecipeError`` saying what is wrong."""
+    """A complete, intact checkpoint folder -> its ``meta.json``; otherwise ``RecipeError`` saying what is wrong.
+
+    Sizes, DCP's metadata and each tensor record's start are checked here; checksums (a read of every file)
+    by ``verify_checksums``."""
     folder = Path(folder)
+    try:
+        return _verify_folder(folder)
+    except OSError as err:  # the folder or a file vanished (or became unreadable) while it was checked
+        raise RecipeError(f"{folder} could not be read while it was checked ({err}): the folder was removed or "
+                          "changed meanwhile") from None
+
+
+def _verify_folder(folder: Path) -> dict:
     meta_path = folder / META
     if not meta_path.is_file():
         raise RecipeError(f"{folder} has no committed {META}: the save did not finish")
@@ -219,36 +248,124 @@ def verify_folder(folder) -> dict:
     return meta
 
 
-def latest_checkpoint(root, log=print) -> Path | None:
-    """The verified ``step_XXXXXXXX`` folder of the highest step under ``root`` (others skipped, named), or None."""
+def checksum_share(meta: dict, rank: int, world: int) -> list:
+    """The files (names in ``meta.json``) whose checksums ``rank`` of ``world`` verifies: the largest first,
+    each to the rank with the fewest bytes so far, so every rank reads about the same amount."""
+    sizes = meta.get("files", {})
+    load, share = [0] * world, [[] for _ in range(world)]
+    for name in sorted(meta.get("checksums", {}), key=lambda n: (-sizes.get(n, 0), n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        share[r].append(name)
+        load[r] += sizes.get(name, 0)
+    return share[rank]
+
+
+def verify_checksums(folder, meta: dict, rank: int = 0, world: int = 1) -> list:
+    """Read this rank's share of the folder's files and compare their checksums with ``meta.json``'s.
+
+    -> a problem per file that differs (empty when all match, or when the save recorded no checksums)."""
+    folder, recorded = Path(folder), meta.get("checksums", {})
+    names = checksum_share(meta, rank, world)
+
+    def check(name):
+        path = folder / name
+        try:
+            ok, actual = file_matches(path, recorded[name])
+        except OSError as err:
+            return f"{path} could not be read ({err})"
+        if ok:
+            return None
+        return (f"{path} has checksum {actual} but {META} recorded {recorded[name]}: its bytes changed after "
+                "the save (same size, other content: a damaged disk, copy or transfer)")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(VERIFY_THREADS, len(names)))) as pool:
+        return [problem for problem in pool.map(check, names) if problem]
+
+
+def _ranks() -> tuple:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(problems: list) -> list:
+    """Every rank's problems, on every rank (one all-gather), so that all ranks take the same decision."""
+    world = _ranks()[1]
+    if world == 1:
+        return list(problems)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, list(problems))
+    return [p for rank_problems in gathered for p in rank_problems]
+
+
+def check_step_folder(folder, verify: bool = True) -> dict:
+    """Collective when a process group is up: ``verify_folder`` on every rank, then (``verify``) each rank checks
+    its share of the checksums; any rank's problem fails the folder on every rank (``RecipeError``)."""
+    folder = Path(folder)
+    meta, problems = None, []
+    try:
+        meta = verify_folder(folder)
+    except RecipeError as err:
+        problems = [str(err)]
+    problems = _agree(problems)
+    if problems:
+        raise RecipeError(problems[0])
+    if verify:
+        problems = _agree(verify_checksums(folder, meta, *_ranks()))
+        if problems:
+            more = f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else ""
+            raise RecipeError(problems[0] + more)
+    return meta
+
+
+def _shared_listing(root: Path) -> list:
+    # rank 0's view of the step folders, so every rank walks the same candidates (collective checks follow)
+    names = sorted(p.name for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+    if _ranks()[1] > 1:
+        box = [names]
+        dist.broadcast_object_list(box, src=0)
+        names = box[0]
+    return names
+
+
+def latest_checkpoint(root, log=print, verify: bool = True) -> Path | None:
+    """The intact ``step_XXXXXXXX`` folder of the highest step under ``root`` (others skipped, named), or None.
+
+    ``verify``: also compare every file's checksum (the ranks share the reads).  Collective when a process
+    group is up: every rank must call it."""
     root = Path(root)
-    if not root.is_dir():
-        return None
     candidates = []
-    for path in sorted(root.glob("step_*")):
-        if not path.is_dir() or path.name.endswith(".tmp"):
+    for name in _shared_listing(root):
+        path = root / name
+        if name.endswith((".tmp", ".replaced")):  # an unfinished save, or a step being saved again
             continue
-        match = STEP_NAME.fullmatch(path.name)
+        match = STEP_NAME.fullmatch(name)
         if match is None:
             log(f"[finetune] resume_from=latest: skipping {path}: not a step_XXXXXXXX folder (a copy?)")
             continue
         candidates.append((int(match.group(1)), path))
     for _, path in sorted(candidates, reverse=True):
         try:
-            verify_folder(path)
+            check_step_folder(path, verify)
             return path
         except RecipeError as err:
             log(f"[finetune] resume_from=latest: skipping {path}: {err}")
     return None
 
 
-def resolve_resume(recipe: dict, log=print) -> tuple:
-    """``checkpoint.resume_from`` -> (folder, its meta.json), or (None, None) to start from the base checkpoint."""
+def resolve_resume(recipe: dict, log=print, defer_checksums: bool = False) -> tuple:
+    """``checkpoint.resume_from`` -> (folder, its meta.json), or (None, None) to start from the base checkpoint.
+
+    ``defer_checksums``: check sizes and metadata now and leave the checksums to the load (``Checkpointer.load``
+    with ``verify=True`` compares them while it reads); otherwise every file is read and compared now.
+    Collective when a process group is up (the ranks share the checksum reads and agree on the folder)."""
     resume = recipe["checkpoint"]["resume_from"]
+    verify = recipe["checkpoint"].get("verify_checksums", True)
+    check_now = verify and not defer_checksums
     if resume is None:
         return None, None
     if resume == "latest":
-        folder = latest_checkpoint(checkpoint_root(recipe), log)
+        folder = latest_checkpoint(checkpoint_root(recipe), log, check_now)
     else:
         folder = Path(resume)
         if not folder.is_dir():
@@ -256,12 +373,57 @@ def resolve_resume(recipe: dict, log=print) -> tuple:
     if folder is None:
         return None, None
     try:
-        meta = verify_folder(folder)
+        meta = check_step_folder(folder, check_now and resume != "latest")  # latest: checked just now
     except RecipeError as err:
         raise RecipeError(f"checkpoint.resume_from={resume!r}: {err}. Resume from another step_* folder, or "
                           "use checkpoint.resume_from=latest (the newest intact one)") from None
+    if not verify:
+        log(f"[finetune] checkpoint.verify_checksums=false: {folder}'s files are checked by size only")
+    elif "checksums" not in meta:
+        log(f"[finetune] {folder} records no checksums (saved by an older version): checked by size only")
     check_identity(folder, meta, recipe)
     return folder, meta
+
+
+class CheckpointUnusable(RecipeError):
+    """The step folder being resumed from turned out unusable while it was loaded (``latest`` falls back)."""
+
+
+class CheckpointVanished(CheckpointUnusable):
+    """The step folder being resumed from (or a file of it) disappeared after it was checked."""
+
+
+class CheckpointDamaged(CheckpointUnusable):
+    """A file of the step folder being resumed from differs from its recorded checksum."""
+
+
+def load_verified(state: dict, folder, meta: dict, verify: bool, **load_kwargs) -> None:
+    """``dcp.load(state)`` from ``folder``; with ``verify`` this rank's share of the recorded checksums is compared
+    on helper threads meanwhile (the file reads overlap the load).  Once the load is done every rank's findings
+    are gathered (collective under a process group): ``CheckpointDamaged`` naming the first damaged file, else
+    DCP's own failure, if the load failed."""
+    folder = Path(folder)
+    verifying = None
+    if verify and meta.get("checksums"):  # the same decision on every rank: meta.json is shared
+        helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        verifying = helper.submit(verify_checksums, folder, meta, *_ranks())
+    failure = None
+    try:
+        dcp.load(state, storage_reader=SafeReader(folder), **load_kwargs)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised below unless damage explains it
+        failure = err
+    if verifying is not None:
+        try:
+            problems = verifying.result()
+        except Exception as err:  # noqa: BLE001 - never leave the other ranks waiting in the all-gather
+            problems = [f"{folder}: its checksums could not be compared ({type(err).__name__}: {err})"]
+        helper.shutdown()
+        problems = _agree(problems)
+        if problems:
+            more = f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else ""
+            raise CheckpointDamaged(f"{problems[0]}{more}; the state loaded from it is discarded") from None
+    if failure is not None:
+        raise failure
 
 
 # ---- the state DCP sees ----------------------------------------------------------------------------
@@ -339,11 +501,128 @@ def _set_rng_state(state: dict, device) -> None:
                                  device)
 
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+def _write_synced(path: Path, text: str) -> str:
+    """Write ``text`` to ``path`` and fsync it -> the checksum of the bytes written."""
+    data = text.encode()
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return checksum_of_bytes(data)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system, with every file written through a ``HashingStream``: its checksum is known when it is
+    closed, from the bytes written (``checksums``: name relative to the step folder -> checksum)."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder, self.checksums = Path(folder), {}
+        self.error = None  # the OSError a write, fsync or close raised (torch.save reports it as a RuntimeError)
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode and "a" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = None
+        try:
+            with super().create_stream(path, mode) as raw:
+                stream = HashingStream(raw)
+                yield stream
+        except BaseException as err:
+            found = stream.error if stream is not None and stream.error is not None else err
+            if isinstance(found, OSError) and self.error is None:
+                self.error = found if found.filename else OSError(found.errno, found.strerror, str(path))
+            raise
+        name = str(Path(path).relative_to(self.folder))
+        # DCP writes .metadata as .metadata.tmp and renames it (rank 0, after every rank's data)
+        self.checksums[name.removesuffix(".tmp") if name == ".metadata.tmp" else name] = stream.checksum()
+
+
+class ChecksummedWriter(dcp.FileSystemWriter):
+    """``FileSystemWriter`` that hashes its files as it writes them and, once this rank's data is written (before
+    DCP's commit collective, so before rank 0's commit), writes ``checksums/rank{r}.json``: the checksums of this
+    rank's files plus ``extra`` (this rank's RNG file)."""
+
+    def __init__(self, path, rank: int, extra: dict, **kwargs):
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem(Path(path))
+        self.checksum_rank, self.extra = rank, extra
+
+    def _os_error(self, err: BaseException):
+        # DCP sends every rank's failure to every rank by pickling it, which drops __context__: the OSError a
+        # write raised (a full disk) is re-raised as itself, or torch.save's RuntimeError would hide it
+        cause = self.fs.error
+        if cause is None or isinstance(err, OSError):
+            return err
+        return OSError(cause.errno, f"{cause.strerror or cause} (writing {cause.filename})")
+
+    def write_data(self, plan, planner):
+        try:
+            written = super().write_data(plan, planner)
+            written.wait()  # FileSystemWriter writes synchronously; its future is already done
+        except Exception as err:
+            converted = self._os_error(err)
+            if converted is err:
+                raise
+            raise converted from err
+        own = {**self.extra, **self.fs.checksums}
+        folder = Path(self.path) / CHECKSUMS
+        folder.mkdir(exist_ok=True)
+        _write_synced(folder / f"rank{self.checksum_rank}.json", json.dumps(own, sort_keys=True))
+        return written
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as err:
+            converted = self._os_error(err)
+            if converted is err:
+                raise
+            raise converted from err
+
+
+def _state_bytes(state: dict) -> int:
+    # bytes of tensor data a save writes: every tensor once at its global size (DCP writes replicas once)
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps: DCP gathers every rank's failure) is a full disk or quota."""
+    seen, todo = set(), [error]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(err, CheckpointException):
+            todo.extend(failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values())
+        todo.extend((err.__cause__, err.__context__))
+    return False
+
+
+class CheckpointSaveError(OSError):
+    """A save that failed for a reason the user can fix (a full disk); the message says what to do."""
+
+
+def _vanished(error: BaseException) -> bool:
+    """Whether ``error`` (or a rank's failure it wraps) is a file that no longer exists."""
+    seen, todo = set(), [error]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, FileNotFoundError) or "No such file or directory" in str(err):
+            return True
+        if isinstance(err, CheckpointException):
+            todo.extend(failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values())
+        todo.extend((err.__cause__, err.__context__))
+    return False
 
 
 # ---- save ----------------------------------------------------------------------------------------
@@ -374,31 +653,62 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
-        _write_synced(tmp / "rng" / f"rank{t.rank}.json", json.dumps(_rng_state(t.device)))
-        meta = {"format": FORMAT, "step": step, "world_size": t.world,
-                "ep_size": t.recipe["distributed"]["ep_size"], "engram_owners": t.world,
-                "identity": recipe_identity(t.recipe),
-                "data": {"next_update": step, "examples": len(t.train_set),
-                         "epoch": step // t.sampler.updates_per_epoch}}
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
         state = training_state(t)
         state["step"] = torch.tensor(step)
-        if self.async_save:
-            written = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-            self.pending = self.worker.submit(self._commit_after, written, tmp, final, meta)
-        else:
-            dcp.save(state, storage_writer=writer)
-            if t.rank == 0:
-                self.commit(tmp, final, meta)
+        needed = _state_bytes(state)
+        with self._explained(tmp, step, needed):
+            rng = f"rng/rank{t.rank}.json"
+            extra = {rng: _write_synced(tmp / rng, json.dumps(_rng_state(t.device)))}
+            meta = {"format": FORMAT, "step": step, "world_size": t.world,
+                    "ep_size": t.recipe["distributed"]["ep_size"], "engram_owners": t.world,
+                    "identity": recipe_identity(t.recipe),
+                    "data": {"next_update": step, "examples": len(t.train_set),
+                             "epoch": step // t.sampler.updates_per_epoch}}
+            writer = ChecksummedWriter(tmp, t.rank, extra, sync_files=True)
+            if self.async_save:
+                written = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+                self.pending = self.worker.submit(self._commit_after, written, tmp, final, meta, writer, needed)
+            else:
+                dcp.save(state, storage_writer=writer)
+                if t.rank == 0:
+                    self.commit(tmp, final, meta, writer)
 
-    def _commit_after(self, written, tmp, final, meta) -> None:
-        written.result()  # rank 0's write returns once every rank's files and .metadata are written
-        if self.trainer.rank == 0:
-            self.commit(tmp, final, meta)
+    @contextmanager
+    def _explained(self, tmp: Path, step: int, needed: int):
+        """A full disk (on any rank: DCP shares every rank's failure) -> ``CheckpointSaveError`` naming the folder,
+        the bytes this step needs and the bytes free, with the partial ``.tmp`` folder removed."""
+        try:
+            yield
+        except (Exception, CheckpointException) as err:
+            if not _disk_full(err):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank may: the folder is ours and unfinished
+            try:
+                free = shutil.disk_usage(self.root).free
+            except OSError:
+                free = None
+            have = f"{free:,} bytes ({free / 2**30:.2f} GiB) are free there now" if free is not None else ""
+            raise CheckpointSaveError(
+                errno.ENOSPC,
+                f"checkpoint of step {step}: the disk holding {self.root} is full (no space left while writing "
+                f"{tmp}). This step needs about {needed:,} bytes ({needed / 2**30:.2f} GiB) of tensor data; {have}. "
+                f"The partial folder {tmp} was removed. Free space, point checkpoint.dir at a larger disk, or keep "
+                "fewer steps (checkpoint.keep_last)") from None
 
-    def commit(self, tmp: Path, final: Path, meta: dict) -> None:
-        """Rank 0, after every rank's files are written: meta.json, fsync, atomic rename, prune."""
+    def _commit_after(self, written, tmp, final, meta, writer, needed) -> None:
+        with self._explained(tmp, meta["step"], needed):
+            written.result()  # rank 0's write returns once every rank's files and .metadata are written
+            if self.trainer.rank == 0:
+                self.commit(tmp, final, meta, writer)
+
+    def commit(self, tmp: Path, final: Path, meta: dict, writer=None) -> None:
+        """Rank 0, after every rank's files are written: checksums and meta.json, fsync, atomic rename, prune."""
+        if writer is not None:
+            meta["checksums"] = self._merged_checksums(tmp, writer)
         meta["files"] = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        unchecked = sorted(set(meta["files"]) - set(meta.get("checksums", meta["files"])))
+        if unchecked:  # every file of a step is checked on resume; one DCP wrote past our writer would not be
+            raise RuntimeError(f"no checksum was recorded for {unchecked[:3]} in {tmp}: the save is incomplete")
         _write_synced(tmp / META, json.dumps(meta, indent=1) + "\n")
         fsync_path(tmp / "rng")
         fsync_path(tmp)
@@ -413,6 +723,21 @@ class Checkpointer:
         fsync_path(final.parent)
         print(f"[finetune] step {meta['step']}: checkpoint saved to {final}", flush=True)
         self.prune(keep={final, self.trainer.resume_dir})
+
+    def _merged_checksums(self, tmp: Path, writer) -> dict:
+        """Every rank's ``checksums/rank{r}.json`` and rank 0's ``.metadata`` -> {file: checksum}; the per-rank
+        files are removed (``meta.json`` holds their content)."""
+        merged = {}
+        folder = tmp / CHECKSUMS
+        for rank in range(self.trainer.world):
+            path = folder / f"rank{rank}.json"
+            try:
+                merged.update(json.loads(path.read_text()))
+            except (OSError, ValueError) as err:
+                raise RuntimeError(f"rank {rank}'s checksums {path} are unreadable ({err}): the save is incomplete")
+        merged.update({k: v for k, v in writer.fs.checksums.items() if k == ".metadata"})
+        shutil.rmtree(folder)
+        return merged
 
     def prune(self, keep: set) -> None:
         """Delete complete step folders beyond the newest ``keep_last`` (never one in ``keep``)."""
@@ -434,26 +759,58 @@ class Checkpointer:
 
     # ---- load --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def load(self, folder, meta: dict) -> int:
-        """Restore model, optimizer state, RNG; reshards from the saved layout.  Returns the saved step."""
+    def load(self, folder, meta: dict, verify: bool = False) -> int:
+        """Restore model, optimizer state, RNG; reshards from the saved layout.  Returns the saved step.
+
+        ``verify``: compare the files' checksums while loading (``load_verified``).  Collective.
+        ``CheckpointVanished`` / ``CheckpointDamaged`` (on every rank) when the folder or a file of it is gone
+        or changed: nothing after the tensors (optimizer steps, RNG) is restored then."""
         t = self.trainer
         folder = Path(folder)
         if meta["data"]["examples"] != len(t.train_set):
             raise RecipeError(f"{folder} was saved with {meta['data']['examples']} training examples, this run has "
                               f"{len(t.train_set)}: the data changed; restore it or start with resume_from: null")
-        keys = set(read_dcp_metadata(folder).state_dict_metadata)
+        # Everything this rank reads outside DCP is read now, and the ranks agree it is there: a folder removed
+        # since the checks at start-up fails on every rank at once, before any tensor is overwritten.
+        problems, keys, rng = [], None, None
+        try:
+            if not (folder / META).is_file():
+                raise FileNotFoundError(errno.ENOENT, "no such file", str(folder / META))
+            keys = set(read_dcp_metadata(folder).state_dict_metadata)
+            rng = json.loads((folder / "rng" / f"rank{t.rank % meta['world_size']}.json").read_text())
+        except OSError as err:
+            problems = [f"{err.filename or folder}: {err.strerror or err}"]
+        problems = _agree(problems)
+        if problems:
+            raise CheckpointVanished(f"{folder} is gone or incomplete since it was checked at start-up "
+                                     f"({problems[0]}): it was removed or replaced meanwhile")
         state = training_state(t, optimizer_keys=keys)
         state["step"] = torch.tensor(0)
         missing = sorted(k for k in state if k not in keys)
         extra = sorted(k for k in keys if k.startswith("model.") and k not in state)
         if missing or extra:
             raise RecipeError(f"{folder} does not match this model: missing {missing[:3]}, unexpected {extra[:3]}")
-        dcp.load(state, storage_reader=SafeReader(folder))
+        try:
+            load_verified(state, folder, meta, verify)
+        except CheckpointDamaged:
+            raise
+        except (Exception, CheckpointException) as err:  # DCP raises every rank's failure on every rank
+            if not _vanished(err):
+                raise
+            raise CheckpointVanished(f"{folder} lost files while it was being loaded ({_first_line(err)}): it was "
+                                     "removed or replaced meanwhile; the model state is partly loaded") from None
         for name, p in t.model.named_parameters():
             if p in t.optimizer.state and "step" in t.optimizer.state[p]:
                 t.optimizer.state[p]["step"] = int(state[f"optim.{name}.step"])
-        rng = folder / "rng" / f"rank{t.rank % meta['world_size']}.json"
-        _set_rng_state(json.loads(rng.read_text()), t.device)
+        _set_rng_state(rng, t.device)
         if int(state["step"]) != meta["step"]:
             raise RecipeError(f"{folder} holds step {int(state['step'])} but {META} says {meta['step']}")
         return meta["step"]
+
+
+def _first_line(error: BaseException) -> str:
+    if isinstance(error, CheckpointException):
+        for failure in error.failures.values():
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            return f"{type(exc).__name__}: {exc}"
+    return f"{type(error).__name__}: {error}"

@@ -10,6 +10,7 @@ No rank ever holds more than one block beyond its own shards: an Engram table (~
 size) is never gathered whole. Replicated tensors are read by rank 0 from its own copy.
 
 ``checkpoint.export_quantize: release`` re-encodes to the released FP8/FP4/Engram format on the way out.
+A NaN/Inf anywhere in the weights (any rank's rows) is refused, named, before anything is written.
 """
 
 import tempfile
@@ -20,7 +21,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from deepseek_v41.hf_export import TensorSource, export_config, write_export
+from deepseek_v41.hf_export import (
+    TensorSource,
+    export_config,
+    nonfinite_error,
+    nonfinite_tensors,
+    write_export,
+)
 from deepseek_v41.modeling_deepseek_v41 import AUTO_MAP, remote_code_files, support_files
 from deepseek_v41.training.engram_owner import engram_modules
 from deepseek_v41.training.expert_parallel import expert_rows, routed_expert_modules
@@ -53,7 +60,7 @@ def _rows_source(name: str, shape: tuple, dtype: torch.dtype, local: torch.Tenso
         dist.reduce(raw.view(torch.int32) if raw.numel() % 4 == 0 else raw, dst=WRITER)
         return buffer.cpu() if rank == WRITER else None
 
-    return TensorSource(name, tuple(shape), dtype, read)
+    return TensorSource(name, tuple(shape), dtype, read, local if contributes else None)
 
 
 def _replicated_source(name: str, tensor: torch.Tensor) -> TensorSource:
@@ -65,7 +72,7 @@ def _replicated_source(name: str, tensor: torch.Tensor) -> TensorSource:
             return None
         return (tensor if tensor.dim() == 0 else tensor[start:stop]).cpu()
 
-    return TensorSource(name, tuple(tensor.shape), tensor.dtype, read)
+    return TensorSource(name, tuple(tensor.shape), tensor.dtype, read, tensor if writer else None)
 
 
 def sharded_sources(trainer) -> list[TensorSource]:
@@ -110,10 +117,19 @@ def export_model(trainer, out_dir, quantize=None) -> None:
     config = export_config(model.config.to_dict(), architectures=["DeepseekV41ForCausalLM"],
                            dtype=model.embed.weight.dtype, auto_map=AUTO_MAP, quantize=quantize)
     writer = dist.get_rank() == WRITER
+    sources = sharded_sources(trainer)
+    # Every rank checks the rows it holds (no communication but one all-gather of the findings), so NaN/Inf
+    # weights are refused on every rank before anything is gathered or written.
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, nonfinite_tensors(sources))
+    problems = [f"{p} (index within rank {r}'s rows)" for r, rank_problems in enumerate(found) for p in rank_problems]
+    if problems:
+        raise nonfinite_error(problems)
     with tempfile.TemporaryDirectory() as scratch:
         files = (remote_code_files() + support_files(model.config, model.engram_tokenizer, Path(scratch),
                                                      getattr(model, "generation_config", None)) if writer else [])
-        write_export(sharded_sources(trainer), out_dir, config, files, quantize=quantize, writer=writer, sync=_sync)
+        write_export(sources, out_dir, config, files, quantize=quantize, writer=writer, sync=_sync,
+                     check_finite=False)
     if writer:
         kind = "released FP8/FP4" if quantize == "release" else "floating-point"
         print(f"[finetune] exported the {kind} weights to {out_dir}", flush=True)

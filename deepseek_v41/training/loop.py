@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from deepseek_v41.modeling_deepseek_v41 import causal_lm_targets
+from deepseek_v41.training import checkpointing
 from deepseek_v41.training import data as data_lib
-from deepseek_v41.training.checkpointing import Checkpointer, resolve_resume
+from deepseek_v41.training.checkpointing import Checkpointer, CheckpointUnusable, resolve_resume
 from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_modules
 from deepseek_v41.training.expert_parallel import (
     apply_expert_parallel,
@@ -39,9 +40,9 @@ from deepseek_v41.training.expert_parallel import (
 )
 from deepseek_v41.training.fsdp import parallelize
 from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
-from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
+from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, describe_schedule, lr_at
 from deepseek_v41.training.plan import check_layout
-from deepseek_v41.training.recipe import RecipeError, validate_world
+from deepseek_v41.training.recipe import RecipeError, recipe_notes, validate_world
 from deepseek_v41.training.sharded_load import load_sharded_checkpoint
 
 
@@ -52,8 +53,9 @@ class Trainer:
         self.recipe = recipe
         self.rank, self.world, self.device = _init_distributed(recipe["distributed"]["backend"])
         validate_world(recipe, self.world)
-        # Checked before the model is built: a changed recipe or a damaged folder fails in seconds.
-        self.resume_dir, self.resume_meta = resolve_resume(recipe, self._print)
+        # Checked before the model is built: a changed recipe or an incomplete folder fails in seconds; the
+        # files' checksums are compared while the folder loads (the reads overlap the load).
+        self.resume_dir, self.resume_meta = resolve_resume(recipe, self._print, defer_checksums=True)
         _seed_everything(recipe["seed"])
         self.out_dir = Path(recipe["output_dir"])
         if self.rank == 0:
@@ -126,6 +128,10 @@ class Trainer:
             print(f"[finetune] the data covers {available} updates ({steps['num_epochs']} epoch(s)); "
                   f"stopping there instead of max_steps={steps['max_steps']}", flush=True)
         self.val_batches = data_lib.validation_batches(len(self.val_set), vs["local_batch_size"], self.rank, self.world)
+        schedule, warnings = describe_schedule(r["lr_scheduler"], r["optimizer"]["lr"], self.max_steps)
+        self._print(schedule)
+        for note in warnings + recipe_notes(r, self.max_steps):
+            self._print(f"[finetune] note: {note}")
 
     def _batch(self, dataset, indices):
         batch = data_lib.collate([dataset[i] for i in indices], self.pad_id,
@@ -276,12 +282,33 @@ class Trainer:
             if self.recipe["checkpoint"]["resume_from"] == "latest":
                 self._print("[finetune] checkpoint.resume_from=latest: no checkpoint yet, starting at step 0")
             return 0
-        step = self.checkpointer.load(self.resume_dir, self.resume_meta)
+        step = self._load_resume_folder()
         if step > self.max_steps:
             raise ValueError(f"{self.resume_dir} is at step {step}, past this run's {self.max_steps} updates; "
                              "raise step_scheduler.max_steps")
         self._print(f"[finetune] resumed from {self.resume_dir} at step {step}")
         return step
+
+    def _load_resume_folder(self) -> int:
+        """Load ``self.resume_dir``, comparing its checksums meanwhile; with ``resume_from: latest`` a folder that
+        vanished since start-up or turned out damaged makes way for the newest intact one left (checked in full
+        before it loads; a full load replaces whatever the first one had loaded)."""
+        resume = self.recipe["checkpoint"]["resume_from"]
+        verify = self.recipe["checkpoint"]["verify_checksums"]
+        while True:
+            try:
+                return self.checkpointer.load(self.resume_dir, self.resume_meta, verify=verify)
+            except CheckpointUnusable as err:
+                if resume != "latest":
+                    raise RecipeError(f"checkpoint.resume_from={resume!r}: {err}. Resume from another step_* "
+                                      "folder, or use checkpoint.resume_from=latest (the newest intact one)") from None
+                self._print(f"[finetune] resume_from=latest: {err}; falling back to the newest intact step")
+                folder, meta = resolve_resume(self.recipe, self._print)
+                if folder is None:
+                    raise RecipeError(f"resume_from=latest: {err}, and no intact step is left under "
+                                      f"{checkpointing.checkpoint_root(self.recipe)}; start again (resume_from: null starts at step "
+                                      "0 from the base checkpoint)") from None
+                self.resume_dir, self.resume_meta, verify = folder, meta, False  # its checksums were just compared
 
     # ---- reporting ---------------------------------------------------------------------------------
     def _emit(self, metrics, record):

@@ -284,6 +284,28 @@ def lr_at(step: int, cfg: dict, max_lr: float) -> float:
     return min_lr + coeff * (max_lr - min_lr)
 
 
+def describe_schedule(cfg: dict, max_lr: float, max_steps: int) -> tuple:
+    """(the learning-rate schedule as this run resolves it, one line; warnings about parts it never uses)."""
+    warmup, decay, style, min_lr = cfg["lr_warmup_steps"], cfg["lr_decay_steps"], cfg["lr_decay_style"], cfg["min_lr"]
+    rates = [lr_at(step, cfg, max_lr) for step in range(max_steps)]
+    parts = [f"warmup 0 -> {max_lr:g} over updates 1-{warmup + 1}" if warmup else f"starts at {max_lr:g}"]
+    if style == "constant":
+        parts.append("then constant")
+    else:
+        parts.append(f"{style} decay to {min_lr:g} by update {decay + 1}, then {min_lr:g}")
+    text = (f"[finetune] learning rate: {', '.join(parts)}; this run: {max_steps} updates at "
+            f"{rates[0]:.3g} .. {max(rates):.3g} .. {rates[-1]:.3g} (first, peak, last)")
+    warnings = []
+    if warmup and max_steps <= warmup:
+        warnings.append(f"the run ends during the warmup (lr_warmup_steps={warmup} >= {max_steps} updates): the peak "
+                        f"lr {max_lr:g} is never reached (highest {max(rates):.3g}); lower lr_warmup_steps to train "
+                        "at the peak")
+    elif style != "constant" and decay >= max_steps:
+        warnings.append(f"the run ends before the decay does (lr_decay_steps={decay} >= {max_steps} updates): the "
+                        f"last update runs at {rates[-1]:.3g}, not min_lr {min_lr:g}")
+    return text, warnings
+
+
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, group=None, replicas=None) -> torch.Tensor:
     """Global L2 clip over rank-local gradient shards; returns the fp32 norm before clipping.

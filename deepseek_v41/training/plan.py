@@ -238,17 +238,39 @@ def check_layout(recipe: dict, config, world: int, device: torch.device, tokeniz
     return text
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (0 and negatives are errors, never "not given")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def positive_gib(text: str) -> float:
+    """argparse type: a finite number of GiB > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of GiB > 0 (e.g. 80 for an 80 GB GPU)")
+    return value
+
+
 def main(argv=None) -> int:
     from deepseek_v41.training.expert_parallel import check_expert_layout
     from deepseek_v41.training.recipe import RecipeError, load_recipe, parse_overrides
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
-    parser.add_argument("--nodes", type=int, default=None)
-    parser.add_argument("--gpus-per-node", type=int, default=None)
-    parser.add_argument("--gpu-mem-gib", type=float, default=None)
-    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: dataset.max_length, "
-                        "else 4096)")
+    parser.add_argument("--nodes", type=positive_int, default=None)
+    parser.add_argument("--gpus-per-node", type=positive_int, default=None)
+    parser.add_argument("--gpu-mem-gib", type=positive_gib, default=None)
+    parser.add_argument("--seq", type=positive_int, default=None, help="tokens per sequence (default: "
+                        "dataset.max_length, else 4096)")
     args, rest = parser.parse_known_args(argv)
     # The flagship recipe reads ${DS41_CHECKPOINT}; unset, the planner uses the released config.
     os.environ.setdefault("DS41_CHECKPOINT", "DS41_CHECKPOINT-not-set")
@@ -257,7 +279,8 @@ def main(argv=None) -> int:
     except RecipeError as err:
         raise SystemExit(f"recipe error: {err}") from None
     ep = recipe["distributed"]["ep_size"]
-    world = (args.nodes or 1) * (args.gpus_per_node or 1) if (args.nodes or args.gpus_per_node) else ep
+    given = args.nodes is not None or args.gpus_per_node is not None
+    world = (args.nodes or 1) * (args.gpus_per_node or 1) if given else ep  # both are >= 1 when given
     if world % ep:
         raise SystemExit(f"{world} ranks are not divisible by distributed.ep_size={ep}")
     config, source = load_config(recipe)
@@ -266,7 +289,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         raise SystemExit(str(err)) from None
     mem = args.gpu_mem_gib if args.gpu_mem_gib is not None else recipe["memory"]["gpu_mem_gib"]
-    seq = args.seq or default_seq(recipe)
+    seq = args.seq if args.seq is not None else default_seq(recipe)
     parts = plan_memory(config, recipe, world, seq)
     text = config.text_config
     print(f"model: {source}: {text.num_hidden_layers} layers, {text.n_routed_experts} routed experts, "

@@ -107,6 +107,7 @@ DEFAULTS = {
         "resume_from": None,  # None | a step_* folder | "latest" (the newest complete one, if any)
         "async_save": False,  # write in a background thread while training continues (stages shards in RAM)
         "keep_last": 0,  # keep the newest N complete step_* folders; 0 = keep all
+        "verify_checksums": True,  # resume reads every file of the step to compare its checksum; false: sizes only
         # After a run launched by `python examples/finetune.py`: load export_dir back in the launching process
         # (AutoModelForCausalLM, trust_remote_code=True, on CPU: small models), print a greedy continuation of a
         # validation prompt and the export's validation accuracy.
@@ -245,6 +246,7 @@ SCHEMA = {
     "checkpoint.export_quantize": _enum("release", none=True),
     "checkpoint.async_save": _bool(),
     "checkpoint.keep_last": _int(0, example=2),
+    "checkpoint.verify_checksums": _bool(),
     "checkpoint.reload_export": _bool(),
     "wandb.enable": _bool(),
     "wandb.project": _str(example="deepseek-v41"),
@@ -451,6 +453,8 @@ def validate_recipe(recipe: dict) -> None:
             f"local_batch_size={steps['local_batch_size']}"
         )
     _check_export_dir(recipe)
+    _check_checkpoint_dir(recipe)
+    _check_coherence(recipe)
     if recipe["model"]["config"]["pretrained_model_name_or_path"] in (None, ""):
         raise RecipeError(
             "model.config.pretrained_model_name_or_path is not set; pass "
@@ -488,6 +492,55 @@ def _check_export_dir(recipe: dict) -> None:
         check_export_destination(export)
     except ExportError as exc:
         raise RecipeError(f"checkpoint.export_dir: {exc}") from None
+
+
+def _check_checkpoint_dir(recipe: dict) -> None:
+    # checkpoint.dir (default <output_dir>/checkpoints) must be a folder or creatable as one: a file there would
+    # fail only at the first save, after hours of training
+    ckpt = recipe["checkpoint"]
+    key = "checkpoint.dir" if ckpt["dir"] else "output_dir"
+    folder = Path(ckpt["dir"] or Path(recipe["output_dir"]) / "checkpoints").expanduser()
+    for path in (folder, *folder.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "is a file" if path == folder else f"lies under {path}, which is a file"
+                raise RecipeError(f"{key}: the checkpoint folder {folder} {what}, not a folder; point "
+                                  f"{key} at a folder (new or existing)")
+            return
+
+
+def _check_coherence(recipe: dict) -> None:
+    """Settings that silently cancel one another."""
+    sched, lr = recipe["lr_scheduler"], recipe["optimizer"]["lr"]
+    warmup, decay, style = sched["lr_warmup_steps"], sched["lr_decay_steps"], sched["lr_decay_style"]
+    if style != "constant" and decay <= warmup:
+        raise RecipeError(
+            f"lr_scheduler.lr_decay_steps={decay} is not after lr_warmup_steps={warmup}: the {style} decay would "
+            f"end before the warmup does, so training would run at min_lr={sched['min_lr']:g} from update "
+            f"{warmup + 1} on (the peak optimizer.lr={lr:g} at most once); set lr_decay_steps to the update where "
+            "the decay ends (e.g. step_scheduler.max_steps), or lr_decay_style: constant")
+    if style != "constant" and sched["min_lr"] > lr:
+        raise RecipeError(f"lr_scheduler.min_lr={sched['min_lr']:g} is above optimizer.lr={lr:g}: the {style} "
+                          "\"decay\" would raise the rate; set min_lr <= lr")
+    ckpt = recipe["checkpoint"]
+    if ckpt["export_quantize"] is not None and ckpt["export_dir"] is None:
+        raise RecipeError(f"checkpoint.export_quantize={ckpt['export_quantize']} has no effect without "
+                          "checkpoint.export_dir; set export_dir (where the export goes) or drop export_quantize")
+
+
+def recipe_notes(recipe: dict, max_steps: int) -> list:
+    """Settings that take no effect in this run (printed once at start-up; nothing is refused)."""
+    ckpt, notes = recipe["checkpoint"], []
+    if not ckpt["save_every_steps"]:
+        for key in ("keep_last", "async_save"):
+            if ckpt[key]:
+                notes.append(f"checkpoint.{key}={ckpt[key]} has no effect: checkpoint.save_every_steps is 0 (no "
+                             "training checkpoints are saved)")
+    val = recipe["step_scheduler"]["val_every_steps"]
+    if val > max_steps:
+        notes.append(f"step_scheduler.val_every_steps={val} is past this run's {max_steps} updates: validation "
+                     "runs once, at the end")
+    return notes
 
 
 def _resolved(path) -> Path | None:

@@ -11,9 +11,13 @@ Each rank decodes only the rows it stores, straight from the safetensors byte ra
 
 Every model tensor must be found and every released tensor used, except the DSpark ``mtp.*`` stages and,
 when the vision tower is disabled (``vision_config.num_hidden_layers: 0``), the vision tensors.
+
+Shard checksums recorded by an export of ours are compared first, each shard by one rank (the ranks share
+the reads), and a damaged shard stops every rank naming it.
 """
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -42,12 +46,27 @@ def _check_shape(checkpoint, name: str, shape: tuple, target: str) -> None:
         raise CheckpointError(f"tensor {name!r} in {checkpoint.path} has shape {list(stored)}, {target} needs {list(shape)}")
 
 
+def _verify_shared(checkpoint) -> None:
+    # each shard's checksum compared by one rank; every rank learns every problem (one all-gather)
+    files = checkpoint.files
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = checkpoint.verify_files(files[rank::world])
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, problems)
+        problems = [p for rank_problems in gathered for p in rank_problems]
+    if problems:
+        raise CheckpointError(problems[0] + (f" ({len(problems) - 1} more damaged shards)" if len(problems) > 1 else ""))
+    checkpoint.mark_verified(files)
+
+
 @torch.no_grad()
 def load_sharded_checkpoint(model: torch.nn.Module, path, *, dequantize: bool = True) -> list:
     """Fill every parameter and persistent buffer of the sharded ``model``; returns the released names used."""
     checkpoint = ReleasedCheckpoint(path)
     if checkpoint.is_quantized and not dequantize:
         raise NotImplementedError("training needs dequantized weights: set model.dequantize_base_checkpoint: true")
+    _verify_shared(checkpoint)
     special = {}
     for experts in routed_expert_modules(model):
         for proj in ("w1", "w2", "w3"):
