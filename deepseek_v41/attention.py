@@ -259,7 +259,7 @@ INDEXER_CHUNK_BYTES = 2 * 2**30
 
 def indexer_query_chunk(batch: int, seq: int, entries: int, per_head_products: int = 0) -> int:
     """Queries per chunk of a prefill's indexer: ``seq`` when one chunk fits ``INDEXER_CHUNK_BYTES``, otherwise
-    equal chunks (the last one may be shorter) that do.  Per query and entry it counts the fp32 scores, the candidate
+    the length of the fewest equal chunks that do (the last chunk ends at ``seq``, overlapping the one before).  Per query and entry it counts the fp32 scores, the candidate
     stage's padded copy and mask, and ``per_head_products`` fp32 per-head products (the torch score path's
     [b, s, H, T] products and their ReLU: 2·H; 0 for a kernel that never forms them)."""
     row_bytes = batch * max(entries, 1) * (4 * (3 + per_head_products))
@@ -409,28 +409,31 @@ class Attention(nn.Module):
         chunk = s
         if visible is None:
             products = 2 * self.indexer.n_heads if score_fn is indexer_scores_torch else 0
-            chunk = indexer_query_chunk(b, s, index_k.shape[1], products)
+            chunk = min(indexer_query_chunk(b, s, index_k.shape[1], products), s)
         topk, kept_blocks = [], []
         with torch.no_grad():  # hard top-k: the indexer gets no LM gradient
-            for q0 in range(0, s, chunk):
-                part = slice(q0, q0 + chunk)
+            for q0 in range(0, max(s, 1), max(chunk, 1)):
+                # the last chunk ends at s and overlaps the one before: every chunk has one length (one kernel
+                # build); its first q0 - start rows, already scored, are dropped
+                start = max(min(q0, s - chunk), 0)
+                part = slice(start, start + chunk)
                 xc, qrc, cisc = (x, qr, cis) if chunk == s else (x[:, part], qr[:, part], cis[part])
-                scores = self.indexer.scores(xc, qrc, cisc, index_k, self.ratio, score_fn, q0)  # [b, chunk, T]
+                scores = self.indexer.scores(xc, qrc, cisc, index_k, self.ratio, score_fn, start)  # [b, chunk, T]
                 seen = visible
-                if seen is None:  # query q0 + i sees (q0 + i + 1) // ratio entries
-                    seen = ((torch.arange(q0, q0 + scores.shape[1], device=x.device) + 1) // self.ratio).unsqueeze(0)
+                if seen is None:  # query start + i sees (start + i + 1) // ratio entries
+                    seen = ((torch.arange(start, start + scores.shape[1], device=x.device) + 1) // self.ratio)[None]
                 if self.layer == self.candidate_source:
                     kept_blocks.append(candidate_blocks(
-                        scores, self.ratio, self.candidate_block_size, self.candidate_topk_blocks, seen))
+                        scores, self.ratio, self.candidate_block_size, self.candidate_topk_blocks, seen)[:, q0 - start:])
                 elif 0 <= self.candidate_source < self.layer:
                     kept = state.read(self.candidate_source, "candidates")
                     kept = kept if chunk == s else kept[:, part]
                     candidates = candidate_mask(kept, self.candidate_block_size, scores.shape[-1])
                     scores = scores.masked_fill(~candidates, float("-inf"))
-                topk.append(select_topk(scores, self.index_topk))
+                topk.append(select_topk(scores, self.index_topk)[:, q0 - start:])
             if kept_blocks:  # bool [b, s, n_blocks]
-                state.publish(self.layer, "candidates", torch.cat(kept_blocks, 1) if len(kept_blocks) > 1 else kept_blocks[0])
-            state.publish(self.layer, "topk", torch.cat(topk, 1) if len(topk) > 1 else topk[0])
+                state.publish(self.layer, "candidates", kept_blocks[0] if chunk == s else torch.cat(kept_blocks, 1))
+            state.publish(self.layer, "topk", topk[0] if chunk == s else torch.cat(topk, 1))
 
     # ---- the decode cache ----------------------------------------------------------------------------------
 

@@ -891,9 +891,7 @@ def tilelang_shapes_for(config, batch: int, seq: int) -> list:
         n_comp = seq // ratio if ratio else 0
         k = config.sliding_window + min(config.index_topk, n_comp)
         specs.append({"b": batch, "s": seq, "n": seq + n_comp, "h": h, "d": d, "k": k, "scale": d**-0.5})
-        if ratio and n_comp:  # a long prefill's indexer goes in chunks of queries: a chunk's and the last one's
-            chunk = indexer_query_chunk(batch, seq, n_comp)
-            for length in sorted({chunk, seq - (-(-seq // chunk) - 1) * chunk}):
-                specs.append({"kind": "indexer", "b": batch, "s": length, "T": n_comp, "H": config.index_n_heads,
-                              "D": config.index_head_dim, "ratio": ratio})
+        if ratio and n_comp:  # a long prefill's indexer goes in chunks of queries, all of one length
+            specs.append({"kind": "indexer", "b": batch, "s": indexer_query_chunk(batch, seq, n_comp), "T": n_comp,
+                          "H": config.index_n_heads, "D": config.index_head_dim, "ratio": ratio})
     return specs

@@ -41,8 +41,9 @@ def test_chunked_prefill_indexer_equals_one_pass(v4_tokenizer, monkeypatch, chun
     monkeypatch.setattr(attention, "indexer_query_chunk", lambda batch, seq, entries, per_head_products=0: chunk)
     monkeypatch.setattr(attention.Indexer, "scores", counted)
     logits, parts = published_prefill(model, ids, monkeypatch)
-    # each of the 4 index layers scored its 80 queries in chunks (80 = 11·7 + 3 at chunk 7)
-    assert calls == 4 * ([chunk] * (80 // chunk) + ([80 % chunk] if 80 % chunk else []))
+    # each of the 4 index layers scored its 80 queries in chunks of one length (at 7: the last chunk is 73..79,
+    # overlapping the one before)
+    assert calls == 4 * [chunk] * -(-80 // chunk)
     assert one.keys() == parts.keys() and (5, "candidates") in one
     for key, value in one.items():
         assert value.shape == parts[key].shape and torch.equal(value, parts[key]), key
