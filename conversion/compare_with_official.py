@@ -84,8 +84,35 @@ SHAPE_FIELDS = {
     "n_heads": "num_attention_heads", "head_dim": "head_dim", "n_routed_experts": "n_routed_experts",
     "hc_mult": "hc_mult",
 }
-# Gates: the V4.1 fixed gates, the largest per-token KL, and the agreement of the two official references.
-DEFAULT_GATES = {**GATES["bf16"], "max_kl": 1e-2}
+# Gates. Positions fall into classes by where they sit against the sliding window: before it every key is in the
+# window; past it compressed / selected keys join, with their own rounding. Each class has its own KL gates (mean,
+# p95, largest per-token), so an error confined to one class is not averaged away by the other.
+CLASS_NAMES = ("in_window", "past_window")
+# Top-1 agreement is counted only at decisive positions, where the official top-1 logit leads the runner-up by more
+# than TOP1_MARGIN: bf16 rounding moves the gap between two logits by up to `gap_noise` (position_stats), so a flip
+# between two logits closer than that is rounding, not a bug. Near-tie positions are reported, not gated.
+# 0.6 ~ the 99th percentile of gap_noise measured on the tiny text fixture (bf16 0.50, released 0.65; 3,608
+# positions each: the 22 prompts of conversion/checker_prompts.json, 16-512 tokens, BOS first). The largest margin
+# measured to flip was 0.42, and no decisive position flipped (top-1 1.0 on every prompt).
+TOP1_MARGIN = 0.6
+NOISE_RIVALS = 32  # the reference's logits after its top-1 whose gap to it the noise figure follows
+# Per --weights and position class: 3x the worst figure over those 22 prompts (conversion/calibrate_checker.py, CPU,
+# the official code with its CPU kernels; --mode streamed gives the same figures), rounded. --weights released carries the official FP8 activation path's
+# own rounding (about 2x the KL of bf16). Worst measured {mean / p95 / max} per-token KL:
+#   bf16      in_window 3.6e-4 / 2.1e-3 / 5.2e-3   past_window 4.0e-4 / 1.9e-3 / 1.7e-2   cosine 0.99966
+#   released  in_window 1.0e-3 / 5.0e-3 / 1.2e-2   past_window 8.5e-4 / 3.9e-3 / 2.2e-2   cosine 0.99927
+# The fixed V4.1 gates (GATES["bf16"]: mean 1e-3, p95 2e-3) fail honest code on some of these prompts: a random tiny
+# model's near-uniform tails make its per-token KL noisy. The bugs of tests/test_compare_with_official.py (golden
+# inputs, 2 x 64 tokens) fail these gates; subtler ones (a Reindex layer run as Reuse, the window one token short)
+# stay inside the tiny model's prompt-to-prompt noise here and are left to the fp32 parity tests (tests/parity).
+CLASS_GATES = {
+    "bf16": {"in_window": {"mean_kl": 1.1e-3, "p95_kl": 6.3e-3, "max_kl": 1.6e-2},
+             "past_window": {"mean_kl": 1.2e-3, "p95_kl": 6e-3, "max_kl": 5e-2}},
+    "released": {"in_window": {"mean_kl": 3.2e-3, "p95_kl": 1.5e-2, "max_kl": 3.5e-2},
+                 "past_window": {"mean_kl": 2.6e-3, "p95_kl": 1.2e-2, "max_kl": 6.6e-2}},
+}
+COSINE_GATES = {"bf16": 0.999, "released": 0.998}  # 1 - cosine: ~3x (2.9x, 2.7x) the worst measured 3.4e-4 / 7.3e-4
+TOP1_GATE = GATES["bf16"]["top1"]  # at decisive positions (measured 1.0)
 CONSISTENCY_GATE = 1e-5
 BLOCK = 32  # FP8 weight scales cover 32 x 32 blocks; FP4 / Engram scales 32 columns of one row
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude of each 3-bit E2M1 code
@@ -613,19 +640,96 @@ def run_ours_whole(checkpoint_dir: Path, ids: torch.Tensor, device) -> torch.Ten
 # ----------------------------------------------------------------------------------------------------
 
 
-def compare(reference: torch.Tensor, candidate: torch.Tensor, gates: dict, what: str) -> tuple[dict, list]:
-    """(gated metrics, failures named after ``what``) of candidate logits against reference logits."""
-    metrics = logits_metrics(reference, candidate)
-    metrics = {name: metrics[name] for name in (*gates, "tokens")}
-    return metrics, [f"{what}: {failure}" for failure in gate_failures(metrics, gates)]
+def default_gates(weights: str = "released") -> dict:
+    """The gates of ``--weights weights``: cosine, top1 (decisive positions), top1_margin, and per position class
+    {mean_kl, p95_kl, max_kl}."""
+    return {"cosine": COSINE_GATES[weights], "top1": TOP1_GATE, "top1_margin": TOP1_MARGIN,
+            **{name: dict(gates) for name, gates in CLASS_GATES[weights].items()}}
 
 
-def build_report(official: dict, ours: torch.Tensor, gates: dict, consistency_gate: float) -> dict:
-    """Gated comparison of our logits [b, s, vocab] with the official run."""
+def sliding_window(checkpoint_dir: Path) -> int:
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    return int(config.get("text_config", config)["sliding_window"])
+
+
+def position_classes(batch: int, seq: int, window: int) -> torch.Tensor:
+    """int64 [batch * seq] (row-major): the index in CLASS_NAMES of each position's class."""
+    return (torch.arange(seq) >= window).long().repeat(batch)
+
+
+@torch.no_grad()
+def position_stats(reference: torch.Tensor, candidate: torch.Tensor, chunk: int = 16) -> dict:
+    """Per position (row-major over the leading axes) of logits [..., vocab]: ``kl`` = KL(reference || candidate)
+    over the full vocabulary, ``margin`` = the reference's top-1 logit minus its runner-up, ``gap_noise`` = the
+    largest change (candidate against reference) of the gap between the reference's top-1 and one of its next
+    NOISE_RIVALS logits, ``agree`` = the same top-1. A flip to one of those rivals needs ``gap_noise > margin``."""
+    ref = reference.reshape(-1, reference.shape[-1])
+    cand = candidate.reshape(-1, candidate.shape[-1])
+    if not (torch.isfinite(ref).all() and torch.isfinite(cand).all()):
+        raise ValueError("non-finite logits")
+    out = {"kl": [], "margin": [], "gap_noise": [], "agree": []}
+    for start in range(0, ref.shape[0], chunk):
+        r, c = ref[start : start + chunk].float(), cand[start : start + chunk].float()
+        log_r, log_c = torch.log_softmax(r, -1), torch.log_softmax(c, -1)
+        out["kl"].append((log_r.exp() * (log_r - log_c)).sum(-1))
+        top = r.topk(NOISE_RIVALS + 1, -1)
+        out["margin"].append(top.values[:, 0] - top.values[:, 1])
+        delta = (r - c).gather(-1, top.indices)  # [n, rivals + 1]: the top-1 first
+        out["gap_noise"].append((delta[:, :1] - delta[:, 1:]).abs().amax(-1))
+        out["agree"].append(c.argmax(-1) == top.indices[:, 0])
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+def gated_classes(stats: dict, classes: torch.Tensor, gates: dict, what: str,
+                  kl_gates=("mean_kl", "p95_kl", "max_kl")) -> tuple[dict, list]:
+    """Per position class (the ``kl_gates`` of each class) and per decisive / near-tie positions (the top-1 gate):
+    (metrics, failures named after ``what``)."""
+    metrics, failures = {"classes": {}}, []
+    for index, name in enumerate(CLASS_NAMES):
+        kl = stats["kl"][classes == index]
+        if not len(kl):
+            continue
+        metrics["classes"][name] = {"positions": len(kl), "mean_kl": kl.mean().item(),
+                                    "p95_kl": torch.quantile(kl, 0.95).item(), "max_kl": kl.max().item()}
+        failures += [f"{what} / {name}: {f}" for f in gate_failures(metrics["classes"][name], {
+            key: gates[name][key] for key in kl_gates})]
+    decisive = stats["margin"] > gates["top1_margin"]
+    for name, where in (("decisive", decisive), ("near_tie", ~decisive)):
+        agree = stats["agree"][where]
+        metrics[name] = {"positions": len(agree), "top1": agree.float().mean().item() if len(agree) else None,
+                         "flips": int((~agree).sum())}
+    metrics["near_tie"]["margin_below"] = gates["top1_margin"]
+    top1 = metrics["decisive"]["top1"]
+    if top1 is not None and not top1 >= gates["top1"]:
+        failures.append(f"{what}: top1 = {top1:.3e} at {metrics['decisive']['positions']} positions with a top-1 "
+                        f"margin > {gates['top1_margin']} (gate {gates['top1']:.3e})")
+    return metrics, failures
+
+
+def compare(reference: torch.Tensor, candidate: torch.Tensor, classes: torch.Tensor, gates: dict,
+            what: str, every_gate: bool = True) -> tuple[dict, list]:
+    """(gated metrics, failures named after ``what``) of candidate logits against reference logits. ``every_gate``
+    False (a few positions, e.g. one per row): only each position's KL (the class's max_kl) and top-1 are gated;
+    a mean, a p95 or a cosine over so few tokens is one token's figure."""
+    overall = logits_metrics(reference, candidate)
+    kl_gates = ("mean_kl", "p95_kl", "max_kl") if every_gate else ("max_kl",)
+    metrics, failures = gated_classes(position_stats(reference, candidate), classes, gates, what, kl_gates)
+    metrics = {"all": overall, **metrics}
+    if every_gate and not overall["cosine"] >= gates["cosine"]:
+        failures.insert(0, f"{what}: cosine = {overall['cosine']:.6f} (gate {gates['cosine']})")
+    return metrics, failures
+
+
+def build_report(official: dict, ours: torch.Tensor, gates: dict, consistency_gate: float, window: int) -> dict:
+    """Gated comparison of our logits [b, s, vocab] with the official run; ``window``: the sliding window, which
+    splits the positions into CLASS_NAMES."""
     reference = (official["hidden"].float().cpu() @ official["head"].T)  # [b, s, vocab] fp32
     returned = official["returned"].float().cpu()  # [b, vocab]
-    every, failures = compare(reference, ours, gates, "every position")
-    last, last_failures = compare(returned, ours[:, -1], gates, "returned logits")
+    b, s = ours.shape[:2]
+    classes = position_classes(b, s, window)
+    every, failures = compare(reference, ours, classes, gates, "every position")
+    last, last_failures = compare(returned, ours[:, -1], classes.view(b, s)[:, -1], gates, "returned logits",
+                                  every_gate=False)
     rel_l2 = ((reference[:, -1] - returned).norm() / returned.norm()).item()
     failures += last_failures
     if not rel_l2 <= consistency_gate:
@@ -672,11 +776,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", help="bf16 (the official inference code is bf16-only)")
     p.add_argument("--mode", choices=["whole", "streamed"], default="whole")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-mean-kl", type=float, default=DEFAULT_GATES["mean_kl"])
-    p.add_argument("--max-p95-kl", type=float, default=DEFAULT_GATES["p95_kl"])
-    p.add_argument("--max-token-kl", type=float, default=DEFAULT_GATES["max_kl"], help="largest per-token KL")
-    p.add_argument("--min-cosine", type=float, default=DEFAULT_GATES["cosine"])
-    p.add_argument("--min-top1", type=float, default=DEFAULT_GATES["top1"])
+    p.add_argument("--max-mean-kl", type=float,
+                   help=f"mean per-token KL of every position class (default per --weights and class: {CLASS_GATES})")
+    p.add_argument("--max-p95-kl", type=float, help="p95 per-token KL of every position class")
+    p.add_argument("--max-token-kl", type=float, help="largest per-token KL of every position class")
+    p.add_argument("--min-cosine", type=float, help=f"default per --weights: {COSINE_GATES}")
+    p.add_argument("--min-top1", type=float, default=TOP1_GATE,
+                   help="top-1 agreement at the positions whose official top-1 margin exceeds --top1-margin")
+    p.add_argument("--top1-margin", type=float, default=TOP1_MARGIN,
+                   help="official top-1 minus runner-up logit above which a top-1 flip counts (below: near-tie, "
+                        "reported, not gated)")
     p.add_argument("--max-reference-rel-l2", type=float, default=CONSISTENCY_GATE,
                    help="the official returned logits against its final-norm output x the snapshot's head")
     p.add_argument("--report", type=Path, help="write the JSON report here")
@@ -725,9 +834,15 @@ def main(argv=None) -> int:
         return 0
     run_ours = run_ours_streamed if opts.mode == "streamed" else run_ours_whole
     ours = run_ours(opts.checkpoint, ids, opts.device)
-    gates = {"mean_kl": opts.max_mean_kl, "p95_kl": opts.max_p95_kl, "max_kl": opts.max_token_kl,
-             "cosine": opts.min_cosine, "top1": opts.min_top1}
-    report = build_report(official, ours, gates, opts.max_reference_rel_l2)
+    gates = default_gates(opts.weights)
+    gates.update(top1=opts.min_top1, top1_margin=opts.top1_margin)
+    if opts.min_cosine is not None:
+        gates["cosine"] = opts.min_cosine
+    for key, value in (("mean_kl", opts.max_mean_kl), ("p95_kl", opts.max_p95_kl), ("max_kl", opts.max_token_kl)):
+        if value is not None:
+            for name in CLASS_NAMES:
+                gates[name][key] = value
+    report = build_report(official, ours, gates, opts.max_reference_rel_l2, sliding_window(opts.checkpoint))
     report["official_run"] = {"kernel_calls": official["kernel_calls"], "load": official["load"]}
     report["settings"] = {
         "checkpoint": str(opts.checkpoint), "inference_dir": str(opts.inference_dir),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torchrun_launch import mark
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,12 +31,13 @@ def main(checkpoint: str, out: Path) -> None:
     assert trainer.ep_mesh["ep"].size() == 2 and trainer.model.layers[1].engram.table_rows[0] == dist.get_rank() * 732
     for quantize, kind in ((None, "fp"), ("release", "release")):
         export_model(trainer, out / f"sharded_{kind}", quantize)
+    mark("EXPORTED")
     if dist.get_rank() == 0:  # the same weights, whole in one process
         dtype = trainer.model.embed.weight.dtype
         reference = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=dtype, tokenizer=trainer.tokenizer)
         reference.save_pretrained(out / "reference_fp")
         reference.save_pretrained(out / "reference_release", quantize="release")
-        print("EXPORT DONE", flush=True)
+        mark("REFERENCES SAVED")
     dist.barrier()
 
 

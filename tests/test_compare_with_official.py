@@ -110,6 +110,14 @@ def assert_same_run_up_to_cpu_rounding(ours: torch.Tensor, stored: torch.Tensor)
     assert bool(((a - b).abs() <= ulp)[differ].all()), f"max difference {(a - b).abs().max().item()}"
 
 
+def flat(metrics: dict, prefix: str = "") -> dict:
+    """A nested metrics dict as {"a.b.c": leaf} (pytest.approx compares flat dicts only)."""
+    out = {}
+    for key, value in metrics.items():
+        out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------
 # End to end: every mode passes its gates
 # ----------------------------------------------------------------------------------------------------
@@ -136,11 +144,16 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, offi
     assert code == 0 and whole["passed"] and not whole["failures"]
     assert whole["settings"]["kernels"] == str(kernels)
     every, last = whole["every_position"], whole["returned_logits"]
-    assert every["tokens"] == 2 * SEQ and last["tokens"] == 2
+    assert every["all"]["tokens"] == 2 * SEQ and last["all"]["tokens"] == 2
+    window = tool.sliding_window(paths["snapshot"])  # 16: each row's first 16 positions see the window only
+    assert {name: c["positions"] for name, c in every["classes"].items()} == {
+        "in_window": 2 * window, "past_window": 2 * (SEQ - window)}
+    assert whole["gates"] == {**tool.default_gates(weights), "reference_rel_l2": tool.CONSISTENCY_GATE}
     for metrics in (every, last):  # two implementations: close, never identical
-        assert set(metrics) == set(whole["gates"]) - {"reference_rel_l2"} | {"tokens"}
-        assert 0 < metrics["mean_kl"] <= whole["gates"]["mean_kl"] and metrics["top1"] == 1.0
-    assert whole["reference_rel_l2"] < 1e-6
+        for name, figures in metrics["classes"].items():
+            assert 0 < figures["mean_kl"] <= figures["max_kl"] <= whole["gates"][name]["max_kl"], name
+        assert metrics["decisive"]["top1"] == 1.0 and metrics["decisive"]["positions"] > 0
+    assert whole["reference_rel_l2"] < 1e-6  # measured 2.9e-8; other CPUs sum fp32 GEMMs in other orders
     calls = whole["official_run"]["kernel_calls"]
     assert calls["sparse_attn"] == 9 and calls["hc_split_sinkhorn"] == 18  # per layer / per sublayer
     quantized_gemms = calls.get("fp8_gemm", 0) + calls.get("fp4_gemm", 0)
@@ -171,7 +184,7 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, offi
     assert all(live == {str(i)} for i, live in official_live) and len(official_live) == 9 + 2  # + 2 Engram
     assert len(ours_loaded) == 1 + 9  # embed / norm / head, then one block at a time
     for key in ("every_position", "returned_logits"):  # the same computation, streamed
-        assert streamed[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-12), key
+        assert flat(streamed[key]) == pytest.approx(flat(whole[key]), rel=1e-6, abs=1e-12), key
     assert streamed["official_run"] == whole["official_run"]
 
 
@@ -197,13 +210,42 @@ def scale_exponent_off_by_one(monkeypatch):
     monkeypatch.setattr(ReleasedCheckpoint, "decode", wrong)
 
 
-@pytest.mark.parametrize("bug", [rope_rotating_backwards, scale_exponent_off_by_one])
-def test_a_bug_in_our_model_fails_the_gates(tmp_path, paths, official, bug, monkeypatch):
+def layers_of_two_kinds_swapped(monkeypatch):
+    # our loader reads layer 3 (Reuse at ratio 2) from layer 6's tensors (Reuse at ratio 1) and layer 6 from layer 3's:
+    # the same shapes, so nothing fails to load
+    decode = ReleasedCheckpoint.decode
+
+    def wrong(self, name, *args, **kwargs):
+        for mine, other in (("layers.3.", "layers.6."), ("layers.6.", "layers.3.")):
+            if name.startswith(mine):
+                return decode(self, other + name[len(mine):], *args, **kwargs)
+        return decode(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(ReleasedCheckpoint, "decode", wrong)
+
+
+# Measured on the golden inputs (every position, 1 - cosine; KL mean in_window / past_window), honest code
+# bf16 2.2e-4; 4.2e-5 / 2.3e-4, released 5.4e-4; 2.4e-4 / 4.3e-4:
+#   rope backwards  bf16 2.3e-3; 1.3e-3 / 2.7e-3
+#   scale 2x        bf16 2.4e-3; 2.0e-3 / 2.3e-3   released 2.7e-3; 2.2e-3 / 2.6e-3 (only the cosine gate catches it)
+#   layers swapped  bf16 4.4e-3; 3.5e-3 / 4.9e-3   released 4.5e-3; 3.5e-3 / 4.9e-3
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, weights, failing", [
+    (rope_rotating_backwards, "bf16", ("cosine", "in_window: mean_kl", "past_window: mean_kl")),
+    (scale_exponent_off_by_one, "bf16", ("cosine", "in_window: mean_kl", "past_window: mean_kl")),
+    (scale_exponent_off_by_one, "released", ("cosine",)),
+    (layers_of_two_kinds_swapped, "bf16", ("cosine", "in_window: mean_kl", "past_window: mean_kl")),
+    (layers_of_two_kinds_swapped, "released", ("cosine", "in_window: mean_kl", "past_window: mean_kl")),
+], ids=lambda v: getattr(v, "__name__", v if isinstance(v, str) else None))
+def test_a_bug_in_our_model_fails_the_gates(tmp_path, paths, official, bug, weights, failing, monkeypatch):
     bug(monkeypatch)  # the official side reads the snapshot with safetensors: only our side changes
-    code, report = run_checker(tmp_path, paths, official, "--weights", "bf16", "--mode", "whole")
-    print(bug.__name__, json.dumps({k: report[k] for k in ("every_position", "returned_logits", "failures")}))
+    code, report = run_checker(tmp_path, paths, official, "--weights", weights, "--mode", "whole")
+    print(bug.__name__, weights, json.dumps({k: report[k] for k in ("every_position", "returned_logits", "failures")}))
     assert code == 1 and not report["passed"]
-    assert any(f.startswith("every position: mean_kl") for f in report["failures"]), report["failures"]
+    for gate in failing:  # each of these gates fails on its own
+        assert any(f.startswith(f"every position{' /' if ':' in gate else ':'} {gate}") for f in report["failures"]), (
+            gate, report["failures"])
+    assert report["every_position"]["decisive"]["top1"] == 1.0  # a random tiny model: the bugs move no decisive top-1
     assert report["reference_rel_l2"] < 1e-6  # the official references still agree
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, golden_dir, official_dir, tiny_model
 from safetensors.torch import load_file
-from test_training_parallel import run_torchrun, torchrun_env
+from torchrun_launch import assert_every_rank, ranks_with, torchrun, torchrun_env
 
 from deepseek_v41 import hf_export
 from deepseek_v41.checkpoint import ReleasedCheckpoint
@@ -384,8 +384,9 @@ WORKER = Path(__file__).resolve().parent / "export_worker.py"
 def test_two_rank_export_equals_save_pretrained(tiny_checkpoint, tmp_path):
     """FSDP2 + EP 2 + Engram owners 2 as the trainer builds them; the export, floating point and released
     format, equals save_pretrained of the same weights tensor for tensor, byte for byte."""
-    out = run_torchrun(WORKER, tiny_checkpoint, tmp_path, timeout=600)
-    assert "EXPORT DONE" in out
+    result = torchrun(WORKER, tiny_checkpoint, tmp_path, nproc=2, timeout=600)
+    assert_every_rank(result, 2, "EXPORTED")  # both ranks wrote their part of both exports
+    assert ranks_with(result.stdout, "REFERENCES SAVED") == {0}
     for kind in ("fp", "release"):
         assert_same_tensors(tensors_of(tmp_path / f"sharded_{kind}"), tensors_of(tmp_path / f"reference_{kind}"))
         sharded = json.loads((tmp_path / f"sharded_{kind}" / "config.json").read_text())
@@ -397,12 +398,11 @@ def test_sharded_export_memory_stays_near_one_block(tmp_path):
     former export grew by at least the whole table on every rank). The benchmark's numbers are in
     examples/benchmarks/results/export_memory_cpu.txt."""
     script = REPO / "examples" / "benchmarks" / "export_memory.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           "--table-mib", "256", "--shard-mib", "16", "--block-mib", "8", "--out", str(tmp_path)]
-    result = subprocess.run(cmd, check=False, env=torchrun_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = torchrun(script, "--table-mib", "256", "--shard-mib", "16", "--block-mib", "8", "--out", tmp_path,
+                      nproc=2, timeout=300)
+    assert_every_rank(result, 2)
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2
+    assert sorted(row["rank"] for row in rows) == [0, 1]  # one measurement from each rank
     for row in rows:
         # live: one 8 MiB block plus a few MiB (11-17 MiB measured, also on a loaded machine); gathering one
         # owner's half of the table would add 128, the former whole-table gathers >= 256 on every rank

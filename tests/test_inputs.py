@@ -143,10 +143,17 @@ def test_float_attention_mask(model):
 
 
 def test_bool_and_integer_masks_agree(model):
+    """Every mask dtype is applied: a left-padded row's real tokens get the logits of the row without its padding
+    (an ignored mask would give the unmasked run's, which differ), the other row those of the unmasked run."""
     mask = torch.ones_like(IDS)
-    mask[0, 28:] = 0
+    mask[0, :5] = 0
     with torch.no_grad():
-        as_long = model(IDS, attention_mask=mask).logits
-        as_bool = model(IDS, attention_mask=mask.bool()).logits
-        as_int32 = model(IDS, attention_mask=mask.int()).logits
-    assert torch.equal(as_long, as_bool) and torch.equal(as_long, as_int32)
+        alone = model(IDS[:1, 5:]).logits[0]
+        unmasked = model(IDS).logits
+        outputs = [model(IDS, attention_mask=m).logits for m in (mask, mask.bool(), mask.int())]
+    # the padding moves row 0's real tokens by far more than the fp32 round-off of the comparison below
+    assert (unmasked[0, 5:] - alone).abs().max() > 1e-2
+    for logits in outputs:
+        torch.testing.assert_close(logits[0, 5:], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[1], unmasked[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])

@@ -40,6 +40,18 @@ def test_causality(model):
     assert not torch.allclose(a[:, t:], b[:, t:]), "the changed token must change later logits"
 
 
+def test_odd_lengths_are_prefixes_of_the_even_run(model):
+    """A sequence of odd length (a trailing partial group of the ratio-2 compressor, fewer tokens than one
+    indexer block) gives the logits of the same positions of a longer run: the compressor pools groups from the
+    start and drops only the unfinished last one (pooling the trailing tokens instead shifts every group)."""
+    ids = ids_batch()
+    with torch.no_grad():
+        full = model(ids).logits  # |logits| <= 0.5
+        for s in (63, 37, 17, 5):
+            # fp32 sums over other shapes: measured <= 2e-5 (length 5); trailing-group pooling errs by >= 7e-2
+            torch.testing.assert_close(model(ids[:, :s]).logits, full[:, :s], rtol=0, atol=1e-4, msg=f"length {s}")
+
+
 def test_right_padding_keeps_real_token_logits(model):
     ids = ids_batch(s=48)
     padded = torch.cat([ids, torch.full((2, 16), 2)], dim=1)
@@ -205,6 +217,26 @@ def test_rms_norm_backends_agree_in_fp32(v4_tokenizer):
     ids = ids_batch(s=32)
     with torch.no_grad():
         torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch_fp32", "torch"])
+@pytest.mark.parametrize("scale", [1e-4, 1e-3, 1e-2, 1.0])
+def test_rms_norm_matches_the_formula_at_small_magnitudes(backend, scale):
+    """x / sqrt(mean(x²) + eps) · w against fp64, at magnitudes where eps = 1e-6 is comparable to mean(x²)
+    (rms 1e-3) or dominates it (1e-4): eps added elsewhere (outside the root, to the rms, after the product)
+    moves the output by >= 10 % there, while at unit scale (the model's usual inputs) it is invisible."""
+    from deepseek_v41.layers import RMSNorm
+
+    eps = 1e-6
+    torch.manual_seed(0)
+    x = torch.randn(4, 7, 64) * scale
+    norm = RMSNorm(64, eps, backend=backend)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64) + 0.5)
+    xd = x.double()
+    expected = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps) * norm.weight.double()
+    # fp32 round-off only (measured <= 3e-7 relative); the misplaced eps variants err by 1e-1 or more at 1e-3
+    torch.testing.assert_close(norm(x).double(), expected, rtol=2e-6, atol=0)
 
 
 def rel_err(a, b):

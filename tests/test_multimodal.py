@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from PIL import Image
+from torch.nn import functional as F
 from transformers import PreTrainedTokenizerFast
 
 from deepseek_v41.image_processing_deepseek_v41 import DeepseekV41ImageProcessor
@@ -46,6 +47,62 @@ def test_text_image_forward_backward(model, processor):
                  "image_start", "image_end", "image_newline"):
         grad = model.get_parameter(name).grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+    model.zero_grad()
+
+
+def test_text_image_batch_equals_its_rows_and_the_loss_is_shifted_cross_entropy(model, processor):
+    """Each row of a padded text+image batch gets the logits it gets alone (an image's features in the wrong row
+    or at shifted positions fail), and the loss is the shifted cross-entropy over the real tokens."""
+    texts = [f"Look at this {IMAGE_PLACEHOLDER} and describe it.", "Only text here, a little longer than that."]
+    inputs = batch(processor, texts, [image(98, 70, 0)])
+    model.eval()
+    with torch.no_grad():
+        out = model(**inputs, labels=inputs["input_ids"])
+        alone = [model(**batch(processor, texts[:1], [image(98, 70, 0)])).logits[0],
+                 model(**batch(processor, texts[1:], None)).logits[0]]
+    for row, logits in enumerate(alone):
+        real = inputs["attention_mask"][row].bool()
+        assert int(real.sum()) == logits.shape[0]
+        # fp32 round-off of the same computation at another batch shape (measured <= 2e-6)
+        torch.testing.assert_close(out.logits[row][real], logits, rtol=0, atol=2e-5)
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    manual = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    torch.testing.assert_close(out.loss, manual, rtol=1e-6, atol=0)
+
+
+def test_vision_gradients_are_the_backbone_gradient_at_the_image_rows(model, processor, monkeypatch):
+    """The gradients of the tower, the aligner and the span vectors are exactly what the backbone's gradient at the
+    merged embeddings gives them: the tower and aligner run alone under the gradient that reached the image rows,
+    the span vectors the sum over their positions (a wrongly scaled or detached image path fails; the tower's and
+    the merge's own backward are checked in test_vision.py)."""
+    from deepseek_v41.vision import IMAGE, IMAGE_END, IMAGE_NEWLINE, IMAGE_START
+
+    inputs = batch(processor, [f"Look at this {IMAGE_PLACEHOLDER} and describe it."], [image(98, 70, 7)])
+    model.eval()
+    merged, embed_images = [], model.embed_images
+
+    def keep_merged(*args):
+        out = embed_images(*args)
+        out.retain_grad()
+        merged.append(out)
+        return out
+
+    monkeypatch.setattr(model, "embed_images", keep_merged)
+    model.zero_grad()
+    model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    upstream, types = merged[0].grad[0], inputs["vision_token_types"][0]
+    assert upstream[types == IMAGE].abs().sum() > 0
+    tower = [p for p in [*model.vision.parameters(), *model.aligner.parameters()] if p.grad is not None]
+    assert len(tower) == len(list(model.vision.parameters())) + len(list(model.aligner.parameters()))
+    grids = inputs["image_grid_hws"]  # the tower and the aligner called directly, not through the model's path
+    features = torch.cat([model.aligner(f, hw) for f, hw in zip(model.vision(inputs["pixel_values"], grids),
+                                                                   grids.tolist())])
+    expected = torch.autograd.grad(features, tower, upstream[types == IMAGE])
+    for param, want in zip(tower, expected):
+        torch.testing.assert_close(param.grad, want, rtol=1e-5, atol=1e-9)  # the same ops: fp32 order only
+    for name, kind in (("image_start", IMAGE_START), ("image_newline", IMAGE_NEWLINE), ("image_end", IMAGE_END)):
+        torch.testing.assert_close(model.get_parameter(name).grad, upstream[types == kind].sum(0), rtol=1e-5,
+                                   atol=1e-9)
     model.zero_grad()
 
 

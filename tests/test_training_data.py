@@ -58,6 +58,26 @@ def test_update_sampler_partitions_each_global_batch():
     assert again.micro_batches(3) == samplers[0].micro_batches(3)
 
 
+def test_update_sampler_reshuffles_each_epoch():
+    """Each epoch visits every example once, in a new order (a sampler that replays epoch 0 fails), and the order
+    depends on the seed."""
+    n, gbs, lbs, world = 40, 8, 2, 2
+    per_epoch = n // gbs
+
+    def order(seed, epoch):
+        samplers = [data.UpdateSampler(n, gbs, lbs, r, world, seed=seed) for r in range(world)]
+        return [i for u in range(epoch * per_epoch, (epoch + 1) * per_epoch) for s in samplers
+                for mb in s.micro_batches(u) for i in mb]
+
+    epochs = [order(1234, e) for e in range(3)]
+    for seen in epochs:
+        assert sorted(seen) == list(range(n))
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2]
+    assert order(1235, 0) != epochs[0]
+    unshuffled = data.UpdateSampler(n, gbs, lbs, 0, world, seed=1234, shuffle=False)
+    assert unshuffled.micro_batches(per_epoch) == unshuffled.micro_batches(0) == [[0, 1], [2, 3]]
+
+
 def test_validation_batches_split_evenly():
     parts = [data.validation_batches(13, 2, r, 2) for r in range(2)]
     assert [len(p) for p in parts] == [3, 3]

@@ -12,13 +12,12 @@ differently when the sums run over other rank groupings.
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_training_parallel import torchrun_env
 from test_training_resume import FP32, full_state
+from torchrun_launch import assert_every_rank, mark, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
@@ -28,13 +27,10 @@ TINY = ["--step_scheduler.val_every_steps=0", "--step_scheduler.global_batch_siz
 
 
 def launch(ckpt, out, world, ep, *overrides):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           str(Path(__file__)), str(RECIPE), f"--model.config.pretrained_model_name_or_path={ckpt}",
-           f"--output_dir={out}", f"--distributed.ep_size={ep}", f"--distributed.engram_owners={world}",
-           *FP32, *TINY, *overrides]
-    result = subprocess.run(cmd, check=False, env=torchrun_env(), capture_output=True, text=True, timeout=420,
-                            cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    result = torchrun(Path(__file__), RECIPE, f"--model.config.pretrained_model_name_or_path={ckpt}",
+                      f"--output_dir={out}", f"--distributed.ep_size={ep}", f"--distributed.engram_owners={world}",
+                      *FP32, *TINY, *overrides, nproc=world, timeout=420)
+    assert_every_rank(result, world, "RELOADED AND SAVED")
     return result.stdout
 
 
@@ -161,6 +157,7 @@ def _worker(argv: list) -> None:
     trainer.checkpointer.save(2)
     dist.barrier()
     dist.destroy_process_group()
+    mark("RELOADED AND SAVED")
 
 
 if __name__ == "__main__":

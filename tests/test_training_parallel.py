@@ -1,8 +1,9 @@
 """Expert parallelism and row-owner Engram on 2 CPU ranks (gloo) against single-process references.
 
 One ``torchrun --nproc_per_node 2`` launch of this file runs every case (each rank starts Python once, not once
-per case); the worker half below runs the cases on both ranks, prints each one's result, and stops at the first
-mismatch with its traceback; each pytest case checks its own result in the output.
+per case); the worker half below runs the cases on both ranks, marks each one's result per rank
+(``torchrun_launch.mark``), and stops at the first mismatch with its traceback; each pytest case checks that every
+rank reported its case, and one test that the launch exited 0 with every rank done.
 """
 
 import os
@@ -13,14 +14,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from torchrun_launch import assert_every_rank, mark, missing_ranks, tail, torchrun, torchrun_env  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def torchrun_env() -> dict:
-    """The environment of a torchrun launch from the tests: this checkout first on the path, one thread, offline."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+NPROC = 2
 
 
 def make_tiny_checkpoint(out: Path) -> Path:
@@ -30,30 +27,38 @@ def make_tiny_checkpoint(out: Path) -> Path:
     return out
 
 
-def run_torchrun(script: Path, *args, timeout=180, nproc=2, check=True) -> str:
-    """-> the launch's stdout; ``check``: a failed launch fails here, with its output."""
-    env = torchrun_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(script), *map(str, args)]
-    result = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    assert result.returncode == 0 or not check, f"torchrun failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+def run_torchrun(script: Path, *args, timeout=180, nproc=NPROC, markers=()) -> str:
+    """-> the launch's stdout, after checking that it exited 0 and that every rank reported done and printed each
+    of ``markers`` (``torchrun_launch.mark``)."""
+    result = torchrun(script, *args, nproc=nproc, timeout=timeout)
+    assert_every_rank(result, nproc, *markers)
     return result.stdout
 
 
 @pytest.fixture(scope="module")
-def gloo_cases(tiny_checkpoint, tmp_path_factory) -> str:
-    """The output of one launch running every case below, cheapest first."""
-    return run_torchrun(Path(__file__), "all", tiny_checkpoint, tmp_path_factory.mktemp("model"), timeout=400,
-                        check=False)
+def gloo_cases(tiny_checkpoint, tmp_path_factory):
+    """The finished launch running every case below, cheapest first (each test checks its own markers)."""
+    return torchrun(Path(__file__), "all", tiny_checkpoint, tmp_path_factory.mktemp("model"), timeout=400)
+
+
+def assert_case_on_every_rank(result, *markers):
+    # each rank prints a case's marker only after its own checks passed; a rank that failed or never ran it is named
+    for text in markers:
+        missing = missing_ranks(result.stdout, text, NPROC)
+        assert not missing, f"rank(s) {missing} did not report {text!r}: {tail(result)}"
+
+
+def test_launch_ends_cleanly_on_every_rank(gloo_cases):
+    assert_every_rank(gloo_cases, NPROC)
 
 
 def test_row_owner_engram_matches_single_table(gloo_cases):
-    assert "ENGRAM OK" in gloo_cases, gloo_cases[-4000:]
+    assert_case_on_every_rank(gloo_cases, "ENGRAM OK")
 
 
 def test_expert_parallel_matches_local(gloo_cases):
     """Random routing, and routing that sends every token to rank 0's experts (rank 1 receives nothing)."""
-    assert "EP OK random" in gloo_cases and "EP OK all_to_rank0" in gloo_cases, gloo_cases[-4000:]
+    assert_case_on_every_rank(gloo_cases, "EP OK random", "EP OK all_to_rank0")
 
 
 def test_sharded_step_matches_single_process(gloo_cases):
@@ -63,7 +68,7 @@ def test_sharded_step_matches_single_process(gloo_cases):
     all-to-all routing, owner divisor, FSDP means) at fp32 round-off: loss to 1e-5, every gradient to a
     relative L2 error below 1e-4.
     """
-    assert "MODEL OK ep=2" in gloo_cases and "MODEL OK ep=1" in gloo_cases, gloo_cases[-4000:]
+    assert_case_on_every_rank(gloo_cases, "MODEL OK ep=2", "MODEL OK ep=1")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -119,7 +124,7 @@ def _ep_case(routing: str):
     for name in ("w1", "w2", "w3"):
         # an expert's gradient = the sum over both ranks' tokens routed to it
         torch.testing.assert_close(getattr(ep, name).grad, getattr(ref, name).grad[rank * e_local:(rank + 1) * e_local], **tol)
-    print(f"EP OK {routing}", flush=True)
+    mark(f"EP OK {routing}")
 
 
 def _engram_case():
@@ -167,7 +172,7 @@ def _engram_case():
     average_summed_gradients([], tables, world)  # the owner divisor, applied once
     torch.testing.assert_close(block.grad[: stop - start], ref.grad[start:stop], rtol=1e-6, atol=1e-7)
     assert torch.all(block.grad[stop - start:] == 0)
-    print("ENGRAM OK", flush=True)
+    mark("ENGRAM OK")
 
 
 def _full_gradients(trainer) -> dict:
@@ -242,8 +247,9 @@ def _model_case(checkpoint: str, out_dir: str, backend: str):
             err = float((g - ref).norm() / ref.norm().clamp(min=1e-12))
             assert err < 1e-4, (ep, name, err)
             worst = max(worst, err)
-        print(f"MODEL OK ep={ep} loss={stats['loss']:.6f} ref={ref_loss.item():.6f} "
+        print(f"ep={ep} rank={trainer.rank}: loss={stats['loss']:.6f} ref={ref_loss.item():.6f} "
               f"({len(grads)} gradients, worst relative error {worst:.1e})", flush=True)
+        mark(f"MODEL OK ep={ep}")
 
 
 if __name__ == "__main__":

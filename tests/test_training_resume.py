@@ -11,14 +11,15 @@ This file is also the torchrun worker for these launches and the kill-during-sav
 
 import json
 import os
+import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from torchrun_launch import assert_every_rank, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
@@ -39,17 +40,21 @@ THEN = "--then"  # between the runs of one launch
 
 def launch(tmp, out, *overrides, world=2, worker=None, check=True, timeout=420, then=()):
     """The tiny recipe on ``world`` gloo ranks (through this file's worker when ``worker``); -> the process.
-    ``then``: more runs (``run_args`` lists) that the worker makes after this one, in the same processes."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    script = [str(Path(__file__)), worker] if worker else [str(REPO / "examples" / "finetune.py")]
+    ``then``: more runs (``run_args`` lists) that the worker makes after this one, in the same processes.
+    ``check``: the launch exited 0 and every rank reported done."""
+    script = [Path(__file__), worker] if worker else [REPO / "examples" / "finetune.py"]
     assert worker or not then, "only this file's worker makes several runs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *script,
-           *run_args(tmp, out, world, *overrides), *(a for args in then for a in (THEN, *args))]
-    result = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    result = torchrun(*script, *run_args(tmp, out, world, *overrides), *(a for args in then for a in (THEN, *args)),
+                      nproc=world, timeout=timeout)
     if check:
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        assert_every_rank(result, world)
     return result
+
+
+def rng_draws(stdout: str, run: Path) -> dict:
+    """{(step, rank): the worker's RNG draws at the start of that update} of the run writing to ``run``."""
+    pattern = rf"^RNG step=(\d+) rank=(\d+) out={re.escape(str(run))}: (.*)$"
+    return {(int(s), int(r)): draws for s, r, draws in re.findall(pattern, stdout, flags=re.MULTILINE)}
 
 
 def losses(out: Path) -> dict:
@@ -74,9 +79,10 @@ def saved_runs(tmp_path_factory, tiny_checkpoint):
     """World 2 (EP 2, owners 2): the bf16 run, async saves after every update, keep_last 3 (steps 2, 3, 4
     remain); then the same run in fp32, 5 updates, saved at step 2 (and 4). -> their (folder, checkpoints)."""
     tmp, tmp32 = run_dir(tmp_path_factory, "dcp", tiny_checkpoint), run_dir(tmp_path_factory, "dcp32", tiny_checkpoint)
-    launch(tmp, tmp / "A", "--checkpoint.save_every_steps=1", "--checkpoint.async_save=true",
-           "--checkpoint.keep_last=3", worker="train",
-           then=[run_args(tmp32, tmp32 / "A", 2, "--checkpoint.save_every_steps=2", *FP32_RUN)])
+    straight = launch(tmp, tmp / "A", "--checkpoint.save_every_steps=1", "--checkpoint.async_save=true",
+                      "--checkpoint.keep_last=3", worker="train",
+                      then=[run_args(tmp32, tmp32 / "A", 2, "--checkpoint.save_every_steps=2", *FP32_RUN)])
+    (tmp / "A" / "stdout.txt").write_text(straight.stdout)
     return (tmp, tmp / "A" / "checkpoints"), (tmp32, tmp32 / "A" / "checkpoints")
 
 
@@ -197,6 +203,12 @@ def test_latest_resumes_bit_identically_and_kill_during_save_leaves_the_previous
     assert f"resumed from {ckpts / 'step_00000003'} at step 3" in killed.stdout
     assert "line 4 is incomplete" in killed.stdout
     assert losses(out) == losses(tmp / "A")  # steps 1-3 kept, step 4 recomputed bit for bit
+    # The Python and torch RNGs continue where the straight run's were after step 3, on every rank (the worker draws
+    # from both in each update: not restored, step 4 would draw what step 1 drew).
+    straight, resumed = rng_draws((tmp / "A" / "stdout.txt").read_text(), tmp / "A"), rng_draws(killed.stdout, out)
+    assert sorted(resumed) == [(4, 0), (4, 1)], killed.stdout[-3000:]
+    for key, draws in resumed.items():
+        assert draws == straight[key] != straight[1, key[1]], (key, draws, straight)
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000003", "step_00000004.tmp"]
     assert any(ckpts.glob("step_00000004.tmp/*.distcp"))  # the data was written, the commit was not
     assert latest_checkpoint(ckpts) == ckpts / "step_00000003"
@@ -338,11 +350,24 @@ def test_bad_checkpoint_keys(key, value, message):
 
 def _worker(case: str, argv: list) -> None:
     """``case`` patches the trainer for a test (``train``: nothing); ``argv``: runs separated by ``THEN``."""
+    import random
+
     import torch
     import torch.distributed as dist
 
     from deepseek_v41.training import checkpointing, loop
     from deepseek_v41.training.recipe import load_recipe, parse_overrides
+
+    # Each update first draws from the Python and torch RNGs (the tiny recipe draws none after seeding), so that a
+    # resume that does not restore them shows in the draws after it.
+    train_step = loop.Trainer.train_step
+
+    def drawing_step(self, update):
+        print(f"RNG step={update + 1} rank={self.rank} out={self.out_dir}: torch {torch.rand(2).tolist()} "
+              f"python {random.random()}", flush=True)
+        return train_step(self, update)
+
+    loop.Trainer.train_step = drawing_step
 
     if case == "kill_at_commit_4":  # after every rank's data is written and fsynced, before meta.json
         commit = checkpointing.Checkpointer.commit

@@ -23,7 +23,19 @@ from deepseek_v41.vision import (
 )
 
 IMAGE_ID = 129264
-BF16_REL_L2 = 1e-2  # bf16 tolerance; measured 0.0 (bit-identical) on CPU
+
+
+def assert_bf16_run_up_to_cpu_rounding(ours: torch.Tensor, stored: torch.Tensor, what: str) -> None:
+    """The stored official bf16 run, recomputed: bit-identical on the CPU that made the fixture (measured), and
+    another CPU's bf16 kernels may round a few elements differently (the text fixture on an AMX machine: 1 of 4,096
+    elements 1 ulp apart). At most 1 % of the elements may differ, each by at most 1 bf16 ulp of the larger
+    magnitude; a wrong weight, layer or mask moves most elements by far more. (Was: relative L2 <= 1e-2.)"""
+    assert ours.dtype == stored.dtype == torch.bfloat16 and ours.shape == stored.shape, what
+    a, b = ours.float(), stored.float()
+    differ = a != b
+    ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp_min(1e-30))) - 7)
+    assert differ.float().mean().item() <= 0.01, f"{what}: {int(differ.sum())} of {a.numel()} elements differ"
+    assert bool(((a - b).abs() <= ulp)[differ].all()), f"{what}: max difference {(a - b).abs().max().item()}"
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +91,7 @@ def test_tower_and_aligner_match_official_outputs(vision_fixture_config, golden,
     with torch.no_grad():
         outputs = encode_images(tower, aligner, pixel_values, _fixture_grids(golden))
     for k, out in enumerate(outputs):
-        ref = golden[f"bf16w_bf16.vision.aligner_out.{k}"]
-        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        assert rel <= BF16_REL_L2, f"image {k}: relative L2 {rel:.3e}"
+        assert_bf16_run_up_to_cpu_rounding(out, golden[f"bf16w_bf16.vision.aligner_out.{k}"], f"image {k}")
 
 
 def test_attention_stays_inside_each_image(vision_fixture_config, golden, released):

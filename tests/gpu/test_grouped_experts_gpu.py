@@ -1,4 +1,5 @@
-"""``experts: torch_mm`` (``torch._grouped_mm``, bf16) against ``experts: torch`` (a per-expert loop) on CUDA.
+"""``experts: torch_mm`` (``torch._grouped_mm``, bf16) against ``experts: torch`` (a per-expert loop) on CUDA, both
+measured against the loop in fp64.
 
 Both are the model's own ``RoutedExperts`` with the same weights: routed SwiGLU with the clamp and
 the fp32 routing weights, tokens sorted by expert, empty experts included.  Skips without a CUDA GPU.
@@ -44,19 +45,28 @@ def test_grouped_experts_match_the_loop(counts):
 
     grouped = routed_experts("torch_mm", E, D, I, gen)
     loop = routed_experts("torch", E, D, I, gen)
+    exact = routed_experts("torch", E, D, I, gen)
     loop.load_state_dict(grouped.state_dict())
-    xg, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y, y_ref = grouped(xg, expert_ids, weights), loop(xl, expert_ids, weights)
-    y.backward(dy)
-    y_ref.backward(dy)
-
+    exact.load_state_dict(grouped.state_dict())
+    exact.double()  # the same bf16 weights, fp64 GEMMs: the independent reference
+    xg, xl, xe = x.clone().requires_grad_(), x.clone().requires_grad_(), x.double().requires_grad_()
+    y, y_loop, y_exact = grouped(xg, expert_ids, weights), loop(xl, expert_ids, weights), exact(xe, expert_ids, weights)
+    for out in (y, y_loop, y_exact):
+        out.backward(dy.to(out.dtype))
     assert y.dtype == torch.float32 and y.shape == (n, D)
-    assert rel_err(y, y_ref) < 1e-2
-    assert rel_err(xg.grad, xl.grad) < 1e-2
+
+    # Per tensor: the grouped GEMMs are no further from fp64 than 2x the bf16 loop is (both round the GEMM
+    # outputs to bf16; a dropped or misplaced group lands orders of magnitude outside). Was: rel. 1e-2 to the loop.
     used = [e for e in range(E) if (expert_ids == e).any()]
+    pairs = {"out": (y, y_loop, y_exact), "dx": (xg.grad, xl.grad, xe.grad)}
+    pairs.update({name: tuple(m.get_parameter(name).grad[used] for m in (grouped, loop, exact))
+                  for name in ("w1", "w3", "w2")})
+    errs = {name: (rel_err(g, ref), rel_err(l, ref)) for name, (g, l, ref) in pairs.items()}
+    print("rel. error vs fp64, grouped / loop: " + ", ".join(f"{k} {a:.2e}/{b:.2e}" for k, (a, b) in errs.items()))
+    for name, (grouped_err, loop_err) in errs.items():
+        assert grouped_err <= 2 * loop_err, (name, grouped_err, loop_err)
     for name in ("w1", "w3", "w2"):
-        g, r = grouped.get_parameter(name).grad, loop.get_parameter(name).grad
-        assert rel_err(g[used], r[used]) < 1e-2, name
+        g = grouped.get_parameter(name).grad
         for e in range(E):  # an expert that got no token gets exactly zero gradient
             if e not in used:
                 assert g[e].abs().max().item() == 0.0, (name, e)
