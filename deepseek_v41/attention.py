@@ -89,11 +89,12 @@ def attention_backend(name: str):
 
 
 def torch_attention_bytes(config, layer: int, batch: int, seq: int, kv_bytes: int) -> int:
-    """Bytes the ``torch`` attention backend holds at once in ``layer`` for a prefill of ``seq`` columns: at least
-    the indexer's fp32 per-head products [b, s, index_n_heads, T] (T = s // ratio entries) and their ReLU, and the
-    attention's gathered rows [b, s, k, head_dim] (k = window + top-k slots) in the KV dtype and in fp32.  Both
-    grow with s² at a fixed ratio (the indexer's with index_n_heads, ~128 GiB at 32k tokens for the released
-    widths), which is why long prefills take the TileLang kernels, which never form them."""
+    """Bytes the ``torch`` attention backend holds at once in ``layer`` for a prefill of ``seq`` columns: the larger
+    of the indexer's chunk (fp32 per-head products [b, chunk, index_n_heads, T] and their ReLU, the scores and the
+    candidate stage's copies; ``indexer_query_chunk`` keeps it near ``INDEXER_CHUNK_BYTES``) and the attention's
+    gathered rows [b, s, k, head_dim] (k = window + top-k slots) in the KV dtype and in fp32.  The gathered rows grow
+    with s (240 GiB at 128k tokens for the released widths), which is why long prefills take the TileLang kernels,
+    which never form them."""
     ratio = config.compress_ratios[layer]
     slots = config.sliding_window
     indexer = 0
@@ -101,7 +102,9 @@ def torch_attention_bytes(config, layer: int, batch: int, seq: int, kv_bytes: in
         entries = seq // ratio
         slots += min(config.index_topk, entries)
         if config.attention_mode(layer) in ("full", "reindex"):
-            indexer = 2 * batch * seq * config.index_n_heads * entries * 4
+            products = 2 * config.index_n_heads
+            chunk = indexer_query_chunk(batch, seq, entries, products)
+            indexer = batch * chunk * max(entries, 1) * 4 * (3 + products)
     return max(indexer, batch * seq * slots * config.head_dim * (kv_bytes + 4))
 
 
@@ -217,17 +220,19 @@ class Indexer(nn.Module):
         # pre-RoPE latent [b, T, head_dim] -> index keys [b, T, index_head_dim] (RoPE at j·r, MXFP4 boundary)
         return self.fp4_qdq(apply_rope(self.k_norm(self.wk(latent)), cis))
 
-    def scores(self, x, qr, cis, index_k, ratio, score_fn) -> torch.Tensor:
+    def scores(self, x, qr, cis, index_k, ratio, score_fn, query_offset: int = 0) -> torch.Tensor:
         # x [b, s, dim], qr [b, s, q_lora] -> fp32 [b, s, T], causally invisible entries at -inf
+        # (query_offset: the position of x's first query when x is a chunk of a prefill)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.fp4_qdq(apply_rope(q, cis, inplace=True))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        return score_fn(q, weights, index_k, ratio)
+        return score_fn(q, weights, index_k, ratio, query_offset=query_offset)
 
 
 def candidate_blocks(scores: torch.Tensor, ratio: int, block: int, topk_blocks: int, visible=None) -> torch.Tensor:
-    """Stage 1 of the two-level top-k (§5.5): bool [b, s, T], True inside the kept blocks of each query.
-    ``visible`` [b or 1, s]: entries each query sees (default: query i of a prefill sees (i + 1) // ratio)."""
+    """Stage 1 of the two-level top-k (§5.5): bool [b, s, ceil(T / block)], True for the kept blocks of each query
+    (``candidate_mask`` spreads it over the entries).  ``visible`` [b or 1, s]: entries each query sees (default:
+    query i of a prefill sees (i + 1) // ratio)."""
     s, T = scores.shape[1:]
     n_blocks = -(-T // block)
     padded = nn.functional.pad(scores, (0, n_blocks * block - T), value=float("-inf"))
@@ -239,8 +244,27 @@ def candidate_blocks(scores: torch.Tensor, ratio: int, block: int, topk_blocks: 
     force = (torch.arange(n_blocks, device=scores.device) == newest.unsqueeze(-1)) & (visible > 0).unsqueeze(-1)
     block_scores = block_scores.masked_fill(force, float("inf"))
     top, chosen = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, chosen, top > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[..., :T]
+    return torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, chosen, top > float("-inf"))
+
+
+def candidate_mask(kept_blocks: torch.Tensor, block: int, entries: int) -> torch.Tensor:
+    # bool [b, s, n_blocks] -> [b, s, entries]: True inside the kept blocks
+    return kept_blocks.repeat_interleave(block, dim=-1)[..., :entries]
+
+
+# A prefill scores its queries against the entries in chunks whose fp32 scores [b, chunk, T] (and the candidate
+# stage's copies of them) stay under this budget: the whole [b, s, T] would be 64 GiB at 128k tokens and ratio 1.
+INDEXER_CHUNK_BYTES = 2 * 2**30
+
+
+def indexer_query_chunk(batch: int, seq: int, entries: int, per_head_products: int = 0) -> int:
+    """Queries per chunk of a prefill's indexer: ``seq`` when one chunk fits ``INDEXER_CHUNK_BYTES``, otherwise
+    the length of the fewest equal chunks that do (the last chunk ends at ``seq``, overlapping the one before).  Per query and entry it counts the fp32 scores, the candidate
+    stage's padded copy and mask, and ``per_head_products`` fp32 per-head products (the torch score path's
+    [b, s, H, T] products and their ReLU: 2·H; 0 for a kernel that never forms them)."""
+    row_bytes = batch * max(entries, 1) * (4 * (3 + per_head_products))
+    n_chunks = -(-seq * row_bytes // INDEXER_CHUNK_BYTES)
+    return max(1, -(-seq // max(n_chunks, 1)))
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -378,17 +402,38 @@ class Attention(nn.Module):
         state.publish(self.layer, "compressed_kv", self.fp4_e4m3_scale_qdq(apply_rope(latent, entry_cis)))
 
     def _publish_topk(self, state, x, qr, cis, score_fn, visible):
-        # visible: None (a prefill: query i sees (i + 1) // ratio entries) or [b, 1] for a decode step
+        # visible: None (a prefill: query i sees (i + 1) // ratio entries) or [b, 1] for a decode step.
+        # A long prefill goes through its queries in chunks (indexer_query_chunk): no [b, s, T] tensor at once.
         index_k = state.read(self.kv_source, "index_k")
+        b, s = x.shape[:2]
+        chunk = s
+        if visible is None:
+            products = 2 * self.indexer.n_heads if score_fn is indexer_scores_torch else 0
+            chunk = min(indexer_query_chunk(b, s, index_k.shape[1], products), s)
+        topk, kept_blocks = [], []
         with torch.no_grad():  # hard top-k: the indexer gets no LM gradient
-            scores = self.indexer.scores(x, qr, cis, index_k, self.ratio, score_fn)  # [b, s, T]
-            if self.layer == self.candidate_source:
-                state.publish(self.layer, "candidates", candidate_blocks(
-                    scores, self.ratio, self.candidate_block_size, self.candidate_topk_blocks, visible))
-            elif 0 <= self.candidate_source < self.layer:
-                candidates = state.read(self.candidate_source, "candidates")
-                scores = scores.masked_fill(~candidates, float("-inf"))
-            state.publish(self.layer, "topk", select_topk(scores, self.index_topk))
+            for q0 in range(0, max(s, 1), max(chunk, 1)):
+                # the last chunk ends at s and overlaps the one before: every chunk has one length (one kernel
+                # build); its first q0 - start rows, already scored, are dropped
+                start = max(min(q0, s - chunk), 0)
+                part = slice(start, start + chunk)
+                xc, qrc, cisc = (x, qr, cis) if chunk == s else (x[:, part], qr[:, part], cis[part])
+                scores = self.indexer.scores(xc, qrc, cisc, index_k, self.ratio, score_fn, start)  # [b, chunk, T]
+                seen = visible
+                if seen is None:  # query start + i sees (start + i + 1) // ratio entries
+                    seen = ((torch.arange(start, start + scores.shape[1], device=x.device) + 1) // self.ratio)[None]
+                if self.layer == self.candidate_source:
+                    kept_blocks.append(candidate_blocks(
+                        scores, self.ratio, self.candidate_block_size, self.candidate_topk_blocks, seen)[:, q0 - start:])
+                elif 0 <= self.candidate_source < self.layer:
+                    kept = state.read(self.candidate_source, "candidates")
+                    kept = kept if chunk == s else kept[:, part]
+                    candidates = candidate_mask(kept, self.candidate_block_size, scores.shape[-1])
+                    scores = scores.masked_fill(~candidates, float("-inf"))
+                topk.append(select_topk(scores, self.index_topk)[:, q0 - start:])
+            if kept_blocks:  # bool [b, s, n_blocks]
+                state.publish(self.layer, "candidates", kept_blocks[0] if chunk == s else torch.cat(kept_blocks, 1))
+            state.publish(self.layer, "topk", topk[0] if chunk == s else torch.cat(topk, 1))
 
     # ---- the decode cache ----------------------------------------------------------------------------------
 
@@ -450,7 +495,7 @@ class Attention(nn.Module):
             if n_visible == 0:  # nothing compressed yet in any row
                 state.publish(self.layer, "topk", pos.new_empty((pos.shape[0], 1, 0)))
             else:  # queries [1, b, ·] (the batch as the sequence) against each row's own keys -> [b, 1, T]
-                score_fn = lambda q, w, k, ratio: indexer_scores_torch(  # noqa: E731
+                score_fn = lambda q, w, k, ratio, query_offset: indexer_scores_torch(  # noqa: E731
                     q.transpose(0, 1), w.transpose(0, 1), k, ratio, visible)
                 self._publish_topk(state, xt, qr, cis, score_fn, visible)
         return state.read(self.kv_source, "compressed_kv")

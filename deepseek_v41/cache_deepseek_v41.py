@@ -30,7 +30,8 @@ are, and written in place, so a decode step has the same shapes and tensor addre
 reading anything back to the host (it is captured once as a CUDA graph and replayed, ``decode_graph.py``): the
 compressed entries are read over the whole capacity with a validity mask ((position + 1) // ratio entries per row)
 instead of sliced to the longest row's count, the completed group's entry is a masked in-place write, and the Engram
-look-back is a ring indexed by position like the window.  Everything a row holds is indexed by its position
+look-back is a ring indexed by position like the window.  It holds the index keys in fp32 (the dtype the step's
+indexer scores read them in; 128·2 more bytes per entry), so no step converts the whole capacity.  Everything a row holds is indexed by its position
 (``lengths``, one counter per row): ring slot p % size, entry p // ratio.  With ``rollback_tokens=k`` the rings keep
 k positions more than decoding needs (the window W + k keys, the open group's carry r + k projections, the
 Engram look-back n - 1 + k ids), so forgetting a row's last k tokens is only a smaller counter: what the earlier
@@ -164,13 +165,16 @@ class StaticCSA2LayerCache(CSA2LayerCache):
         getattr(self, name).copy_(value)
 
     def fill_compressed(self, compressed_kv: torch.Tensor, index_k: torch.Tensor) -> None:
-        # entries 0 .. T-1 from the prefill; the rest of the capacity is rewritten before any row reads it
+        # entries 0 .. T-1 from the prefill; the rest of the capacity is rewritten before any row reads it.
+        # The index keys are held in fp32, the dtype the decode step's scores read them in (exact: they are bf16
+        # values): a bf16 store would be converted whole at every step (1.4 ms at batch 32 and 32k on the H200)
         b, T = compressed_kv.shape[:2]
         for name, value in (("compressed_kv", compressed_kv), ("index_k", index_k)):
+            dtype = torch.float32 if name == "index_k" else value.dtype
             held = getattr(self, name)
-            if held is None or held.shape != (b, self.entries, value.shape[-1]) or held.dtype != value.dtype \
+            if held is None or held.shape != (b, self.entries, value.shape[-1]) or held.dtype != dtype \
                     or held.device != value.device:
-                setattr(self, name, value.new_zeros((b, self.entries, value.shape[-1])))
+                setattr(self, name, value.new_zeros((b, self.entries, value.shape[-1]), dtype=dtype))
                 self.owner.buffers_changed()
             getattr(self, name)[:, :T].copy_(value)
 
@@ -500,11 +504,13 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
                 f"batch={self.batch_size}, bytes={self.nbytes()})")
 
 
-def cache_bytes_per_token(text_config, bytes_per_element: int = 2) -> float:
-    """Steady-state cache growth per token: the Full layers' compressed entries and index keys."""
+def cache_bytes_per_token(text_config, bytes_per_element: int = 2, static: bool = False) -> float:
+    """Steady-state cache growth per token: the Full layers' compressed entries and index keys (``static``: a
+    ``DeepseekV41StaticCache``'s, which holds the index keys in fp32)."""
     total = 0.0
     for layer in range(text_config.num_hidden_layers):
         if text_config.attention_mode(layer) == "full":
-            width = text_config.head_dim + text_config.index_head_dim
-            total += width * bytes_per_element / text_config.compress_ratios[layer]
+            index_bytes = 4 if static else bytes_per_element
+            width = text_config.head_dim * bytes_per_element + text_config.index_head_dim * index_bytes
+            total += width / text_config.compress_ratios[layer]
     return total

@@ -47,8 +47,8 @@ Sparse attention (``sparse_attention_tilelang``), one CUDA block per (query toke
   empty slots included).
 
 Indexer (``indexer_scores_tilelang``): ``score[b,i,t] = Σ_h relu(q[b,i,h]·k[b,t])·w[b,i,h]`` with
-causally invisible entries ``t >= (i+1)//ratio`` set to ``-inf``; forward only (the indexer is
-frozen).
+causally invisible entries ``t >= (offset+i+1)//ratio`` set to ``-inf`` (``offset``: a runtime argument, the
+first query's position when a long prefill scores its queries in chunks); forward only (the indexer is frozen).
 
 Compilation and caches: kernels are specialised on shapes, dtype and device and built on first use.
 Built kernels are kept in a process-wide dict keyed by ``(kernel, shapes, dtype, device)``;
@@ -509,6 +509,8 @@ def _build_attn_bwd_q(batch, seq, n_kv, heads, dim, slots, threads=256, stages=2
 def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, tiles=8, threads=256):
     # Qi [b, s, H, D] bf16, W [b, s, H] fp32, K [b, T, D] bf16 -> Score [b, s, T] fp32.
     # A block holds block_q queries (block_q·H rows of Qi) and walks `tiles` key tiles of block_t.
+    # Query i of the call is query query_offset + i of the sequence (a chunk of a long prefill): it sees entries
+    # t < (query_offset + i + 1) // ratio.  A runtime scalar, so every chunk of one length shares one build.
     BQ, BT = block_q, block_t
     M = BQ * heads
     bf16, f32 = "bfloat16", "float32"
@@ -519,6 +521,7 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
         W: T.Tensor([batch, seq, heads], f32),
         K: T.Tensor([batch, n_idx, dim], bf16),
         Score: T.Tensor([batch, seq, n_idx], f32),
+        query_offset: T.int32,
     ):
         with T.Kernel(T.ceildiv(n_idx, BT * tiles), T.ceildiv(seq, BQ), batch, threads=threads) as (bt, bq, bz):
             q_s = T.alloc_shared([M, dim], bf16)
@@ -528,7 +531,7 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
             acc = T.alloc_fragment([M, BT], f32)
             out = T.alloc_fragment([BQ, BT], f32)
             i0 = bq * BQ
-            visible = (i0 + BQ) // ratio  # the block's last query sees entries t < visible
+            visible = (query_offset + i0 + BQ) // ratio  # the block's last query sees entries t < visible
             for m_, d in T.Parallel(M, dim):
                 q_s[m_, d] = T.if_then_else(i0 + m_ // heads < seq, Qi[bz, i0 + m_ // heads, m_ % heads, d], 0)
             for m_ in T.Parallel(M):
@@ -548,7 +551,7 @@ def _build_indexer(batch, seq, n_idx, heads, dim, ratio, block_q=4, block_t=64, 
                     for i, t in T.Parallel(BQ, BT):
                         if i0 + i < seq and t0 + t < n_idx:
                             Score[bz, i0 + i, t0 + t] = T.if_then_else(
-                                t0 + t < (i0 + i + 1) // ratio, out[i, t], -T.infinity(f32)
+                                t0 + t < (query_offset + i0 + i + 1) // ratio, out[i, t], -T.infinity(f32)
                             )
                 else:
                     for i, t in T.Parallel(BQ, BT):
@@ -809,11 +812,14 @@ def sparse_attention_tilelang(
     return _SparseAttention.apply(q, kv, sink, idx, float(scale))
 
 
-def indexer_scores_tilelang(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int) -> torch.Tensor:
+def indexer_scores_tilelang(
+    q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int, query_offset: int = 0
+) -> torch.Tensor:
     """TileLang version of ``indexer_scores_torch`` (forward only: the indexer is frozen).
 
     q [b, s, H, D] bf16, weights [b, s, H], index_k [b, T, D] bf16 -> scores [b, s, T] fp32 with
-    ``-inf`` where ``t >= (i + 1) // ratio``.
+    ``-inf`` where ``t >= (query_offset + i + 1) // ratio`` (``query_offset``: the first query's position when q
+    is a chunk of a longer prefill's queries).
     """
     _require_tilelang()
     if q.dim() != 4 or weights.shape != q.shape[:3] or index_k.dim() != 3 or index_k.shape[::2] != q.shape[::3]:
@@ -825,11 +831,13 @@ def indexer_scores_tilelang(q: torch.Tensor, weights: torch.Tensor, index_k: tor
         raise TypeError(f"indexer_scores_tilelang needs bfloat16 q and index_k (got {q.dtype}, {index_k.dtype})")
     b, s, H, D = q.shape
     n_idx = index_k.shape[1]
+    if not 0 <= query_offset < 2**31 - s:  # an int32 in the kernel
+        raise ValueError(f"indexer_scores_tilelang: query_offset {query_offset} must be in [0, 2**31 - s)")
     if 128 % H != 0 or D % 16 != 0:
         raise ValueError(f"indexer_scores_tilelang needs 128 % heads == 0 and dim % 16 == 0, got H={H}, D={D}")
     kernel = _indexer_kernel(b, s, n_idx, H, D, int(ratio), _device_key(q))
     out = torch.empty((b, s, n_idx), dtype=torch.float32, device=q.device)
-    kernel(q.contiguous(), weights.float().contiguous(), index_k.contiguous(), out)
+    kernel(q.contiguous(), weights.float().contiguous(), index_k.contiguous(), out, int(query_offset))
     return out
 
 
@@ -875,13 +883,15 @@ def warmup_tilelang_kernels(shapes: list, device=None) -> int:
 
 def tilelang_shapes_for(config, batch: int, seq: int) -> list:
     """The ``warmup_tilelang_kernels`` specs that a text config needs for one [batch, seq] micro-batch."""
+    from .attention import indexer_query_chunk
+
     h, d = config.num_attention_heads, config.head_dim
     specs = []
     for ratio in sorted(set(config.compress_ratios[: config.num_hidden_layers])):
         n_comp = seq // ratio if ratio else 0
         k = config.sliding_window + min(config.index_topk, n_comp)
         specs.append({"b": batch, "s": seq, "n": seq + n_comp, "h": h, "d": d, "k": k, "scale": d**-0.5})
-        if ratio and n_comp:
-            specs.append({"kind": "indexer", "b": batch, "s": seq, "T": n_comp, "H": config.index_n_heads,
-                          "D": config.index_head_dim, "ratio": ratio})
+        if ratio and n_comp:  # a long prefill's indexer goes in chunks of queries, all of one length
+            specs.append({"kind": "indexer", "b": batch, "s": indexer_query_chunk(batch, seq, n_comp), "T": n_comp,
+                          "H": config.index_n_heads, "D": config.index_head_dim, "ratio": ratio})
     return specs

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import CSA2State
+from .attention import CSA2State, candidate_mask
 
 # Gates of the golden reference README (fixture) and of the V4.1 docs (real model, bf16).
 GATES = {
@@ -149,7 +149,9 @@ def teacher_forced(model, g) -> list[dict]:
                     topk = state.read(i, "topk")
                     row["topk"] = set_agreement(torch.where(topk >= 0, topk + seq, -1), g[f"{prefix}.layer{i}.index_topk"])
                 if f"{prefix}.layer{i}.candidates" in g:
-                    same = state.read(i, "candidates") == g[f"{prefix}.layer{i}.candidates"].bool()
+                    ref = g[f"{prefix}.layer{i}.candidates"].bool()
+                    kept = candidate_mask(state.read(i, "candidates"), layer.attn.candidate_block_size, ref.shape[-1])
+                    same = kept == ref
                     row["candidates"] = same.float().mean().item()
                 rows.append(row)
     finally:

@@ -34,14 +34,15 @@ def sparse_attention_torch(
 
 
 def indexer_scores_torch(
-    q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int, visible=None
+    q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, ratio: int, visible=None, query_offset: int = 0
 ) -> torch.Tensor:
     # q [b, s, H, D] (index queries), weights [b, s, H], index_k [b, T, D] -> scores [b, s, T] fp32.
-    # visible [b or 1, s]: entries each query sees (default, a prefill: query i sees (i + 1) // ratio)
+    # visible [b or 1, s]: entries each query sees (default, a prefill: query i sees (query_offset + i + 1) // ratio,
+    # query_offset being the first query's position when q is a chunk of a longer prefill's queries)
     s, T = q.shape[1], index_k.shape[1]
     dots = torch.einsum("bshd,btd->bsht", q.float(), index_k.float()).relu()
     scores = torch.einsum("bsht,bsh->bst", dots, weights.float())
     if visible is None:
-        visible = ((torch.arange(s, device=q.device) + 1) // ratio).unsqueeze(0)
+        visible = ((torch.arange(s, device=q.device) + query_offset + 1) // ratio).unsqueeze(0)
     invisible = torch.arange(T, device=q.device) >= visible.unsqueeze(-1)  # [b or 1, s, T]
     return scores.masked_fill(invisible, float("-inf"))

@@ -160,7 +160,7 @@ def ours(args, device) -> None:
     text = model.config.text_config
     print(f"deepseek_v41, {text.num_hidden_layers} layers, hidden {text.hidden_size}, {text.n_routed_experts} experts, "
           f"{model.embed.weight.dtype}, backend {model.config.backend}; cache bytes/token steady state "
-          f"{cache_bytes_per_token(text):.0f}")
+          f"{cache_bytes_per_token(text, static=True):.0f} (static cache)")
     print("context  batch  prefill s  mode        ms/token   tok/s (all rows)  kernels/step  GPU busy")
     modes = args.modes if device.type == "cuda" else ["off"]
     generator = torch.Generator(device="cpu").manual_seed(0)

@@ -271,6 +271,30 @@ def test_indexer_scores_match_torch(b, s, ratio):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not AVAILABLE, reason=REASON)
+def test_indexer_query_chunks_match_one_call():
+    # A long prefill scores its queries in chunks, each call told its first query's position (query_offset).
+    # Chunks of 301 queries (not a multiple of the kernel's 4-query blocks; odd offsets at ratio 2) against one
+    # call over all 903: each score is the same per-element GEMM and head sum, so the bits must agree.
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    b, s, chunk, ratio, H, D = 2, 903, 301, 2, 32, 128
+    q = torch.randn(b, s, H, D, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(b, s, H, device="cuda", generator=gen) * (D**-0.5 * H**-0.5)
+    k = torch.randn(b, s // ratio, D, device="cuda", generator=gen).bfloat16()
+    one = kt.indexer_scores_tilelang(q, w, k, ratio)
+    parts = [kt.indexer_scores_tilelang(q[:, q0 : q0 + chunk], w[:, q0 : q0 + chunk], k, ratio, query_offset=q0)
+             for q0 in range(0, s, chunk)]
+    assert torch.equal(torch.cat(parts, 1), one)
+    tail = torch.cat(parts[1:], 1)  # queries 301.. against the contract, told the same offset
+    ref = indexer_scores_torch(q[:, chunk:], w[:, chunk:], k, ratio, query_offset=chunk)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(tail), finite)
+    assert rel_err(tail[finite], ref[finite]) < 1e-3  # as the unchunked test above
+    with pytest.raises(ValueError, match="query_offset"):
+        kt.indexer_scores_tilelang(q, w, k, ratio, query_offset=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not AVAILABLE, reason=REASON)
 def test_warmup_builds_and_caches():
     spec = {"b": 1, "s": 128, "n": 192, "h": 64, "d": 512, "k": 192, "scale": 512**-0.5}
     indexer = {"kind": "indexer", "b": 1, "s": 128, "T": 64, "H": 32, "D": 128, "ratio": 2}
