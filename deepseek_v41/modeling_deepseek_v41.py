@@ -27,6 +27,7 @@ from .attention import Attention, CSA2State
 from .backends import check_available
 from .cache_deepseek_v41 import DeepseekV41Cache
 from .configuration_deepseek_v41 import DeepseekV41Config
+from .dspark import build_stages, dspark_stage_count
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
 from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
@@ -78,11 +79,15 @@ class DeepseekV41Block(GradientCheckpointingLayer):
             pre_in, self.hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
         )
 
-    def forward(self, x, pre_in, state: CSA2State, input_ids=None, image_mask=None, engram_hash_ids=None):
-        # x [b, s, hc, dim] streams, pre_in fp32 [b, s, hc] -> (streams [b, s, hc, dim], pre-mix fp32 [b, s, hc])
+    def forward(self, x, pre_in, state: CSA2State, input_ids=None, image_mask=None, engram_hash_ids=None,
+                stream_means=None):
+        # x [b, s, hc, dim] streams, pre_in fp32 [b, s, hc] -> (streams [b, s, hc, dim], pre-mix fp32 [b, s, hc]).
+        # stream_means (a list): gets the block input's mean over the streams [b, s, dim] (a DSpark target layer)
         if self.engram is not None:
             hash_ids = engram_hash_ids if engram_hash_ids is not None else self.engram.hash(input_ids, image_mask)
             x = self.engram(x, hash_ids, image_mask)
+        if stream_means is not None:
+            stream_means.append(x.float().mean(2).to(x.dtype))
         attn_pre, attn_post, attn_comb, h = self.mix_pre(x, "attn", pre_in)
         y = self.attn(self.attn_norm(h), state)
         x = self.hc_post(y, x, attn_post, attn_comb)
@@ -104,7 +109,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     # fp32 islands (architecture.md §4, §7, §8): loaded, kept and trained in fp32 whatever the model dtype.
     _keep_in_fp32_modules_strict = [
         "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-        "attn_sink", "gate.bias", "gate.bias_vl", "head", "norm1", "norm2", "vision.norm",
+        "attn_sink", "gate.bias", "gate.bias_vl", "head", "norm1", "norm2", "vision.norm", "confidence_head",
     ]
 
     @torch.no_grad()
@@ -356,6 +361,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             self.head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
             self.head_matmul = make_head_matmul(config.backend)  # backend "head": fp32 or bf16x3
             self.head_loss = make_head_loss(config.backend)  # bf16x3: the loss fused into the head, else None
+            if dspark_stage_count(text):  # the DSpark draft stages mtp.{k} (dspark.py); they share embed and head
+                self.mtp = build_stages(text, config.backend, DeepseekV41Block, self.has_vision)
         self.post_init()
         for module in self.modules():  # hard top-k: the indexer gets no LM gradient, so it is frozen
             if hasattr(module, "indexer"):
@@ -366,13 +373,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def forward(
         self, input_ids=None, attention_mask=None, position_ids=None, pixel_values=None, image_grid_hws=None,
         vision_token_types=None, engram_hash_ids=None, use_cache=None, past_key_values=None, inputs_embeds=None,
-        cache=None, output_hidden_states=None, output_attentions=None, return_dict=None, **kwargs,
+        cache=None, output_hidden_states=None, output_attentions=None, return_dict=None, output_dspark_hidden=None,
+        **kwargs,
     ) -> BaseModelOutputWithPast:
         # input_ids [b, s] (right or left padded) -> last_hidden_state [b, s, dim]; use_cache=True (or a cache
         # given as past_key_values= / cache=) returns the DeepseekV41Cache that decodes the next tokens.  With
         # output_hidden_states also hidden_states: the embeddings, then after each block but the last its streams
         # collapsed with the pre-mix the next block's attention uses (its input before the norm), then
-        # last_hidden_state: n_layers + 1 x [b, s, dim]
+        # last_hidden_state: n_layers + 1 x [b, s, dim].  output_dspark_hidden: also dspark_hidden [b, s,
+        # targets·dim], the DSpark stages' input (each dspark_target_layer_ids block's input, mean over the streams)
         if output_attentions:
             raise NotImplementedError(
                 "output_attentions=True: CSA2 sparse attention never forms a dense attention matrix (each query "
@@ -381,10 +390,12 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         cache = past_key_values if cache is None else cache  # transformers >= 5.2x calls it `cache`
         validate_inputs(self, input_ids, attention_mask, position_ids, use_cache, cache, inputs_embeds, kwargs)
         input_ids = input_ids.to(self.embed.weight.device)
+        targets = self.dspark_targets(output_dspark_hidden)
         if cache is not None and cache.get_seq_length() > 0:
             if pixel_values is not None or (vision_token_types is not None and (vision_token_types >= 0).any()):
                 raise ValueError("images go in the prompt (the first forward of a cache); decode steps are text")
-            return with_cache(BaseModelOutputWithPast, cache, last_hidden_state=self.decode(input_ids, cache))
+            hidden, dspark_hidden = self.decode(input_ids, cache, targets)
+            return with_cache(DeepseekV41ModelOutput, cache, last_hidden_state=hidden, dspark_hidden=dspark_hidden)
         if use_cache and cache is None:
             cache = DeepseekV41Cache(self.config)
         lengths, shift = real_lengths(attention_mask, input_ids)
@@ -410,6 +421,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre[..., 0] = 1.0  # block 0 collapses with a one-hot pre-mix on stream 0
         state = CSA2State(cache, lengths if cache is not None else None)
         hidden_states = [h] if output_hidden_states else None
+        means = []  # the DSpark target layers' stream means, in layer order
         for layer in self.layers:
             hash_ids = engram_hash_ids_for(engram_hash_ids, layer, self.config.text_config)
             if layer.hc_attn_fn.device != x.device:  # device_map spread the blocks over devices
@@ -418,7 +430,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                     None if t is None else t.to(device) for t in (x, pre, input_ids, image_mask, hash_ids)
                 )
                 state.to(device)
-            x, pre = layer(x, pre, state, input_ids=input_ids, image_mask=image_mask, engram_hash_ids=hash_ids)
+            x, pre = layer(x, pre, state, input_ids=input_ids, image_mask=image_mask, engram_hash_ids=hash_ids,
+                           stream_means=means if layer.layer in targets else None)
             if output_hidden_states and layer is not self.layers[-1]:
                 hidden_states.append(self.hc_collapse(x, pre))
         device = self.norm.weight.device
@@ -427,18 +440,33 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             cache.finish_prefill(input_ids, image_mask, lengths, s)
         if hidden_states is not None:
             hidden_states = (*hidden_states, hidden)
+        dspark_hidden = torch.cat([m.to(device) for m in means], -1) if targets else None
         if shift is not None:  # back to the input's columns
             hidden = roll_rows(hidden, -shift)
             hidden_states = None if hidden_states is None else tuple(roll_rows(t, -shift) for t in hidden_states)
-        output = with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden, hidden_states=hidden_states)
+            dspark_hidden = None if dspark_hidden is None else roll_rows(dspark_hidden, -shift)
+        output = with_cache(DeepseekV41ModelOutput, cache, last_hidden_state=hidden, hidden_states=hidden_states,
+                            dspark_hidden=dspark_hidden)
         return output.to_tuple() if return_dict is False else output
 
-    def decode(self, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
-        """input_ids [b, n] text tokens after the cached ones -> hidden [b, n, dim], one column at a time."""
-        return torch.cat([self._decode_step(input_ids[:, j : j + 1], cache) for j in range(input_ids.shape[1])], 1)
+    def dspark_targets(self, output_dspark_hidden) -> tuple:
+        """The layers whose stream means a forward collects: the DSpark targets when asked for, else none."""
+        if not output_dspark_hidden:
+            return ()
+        if not hasattr(self, "mtp"):
+            raise ValueError("output_dspark_hidden=True needs the DSpark draft stages: this model has none "
+                             "(num_nextn_predict_layers or dspark_block_size is 0, or it is the headless backbone)")
+        return tuple(self.config.text_config.dspark_target_layer_ids)
 
-    def _decode_step(self, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
-        # input_ids [b, 1]: row i's token at position cache.lengths[i] -> hidden [b, 1, dim]
+    def decode(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, targets=()):
+        """input_ids [b, n] text tokens after the cached ones -> (hidden [b, n, dim], DSpark input [b, n, ·] or
+        None), one column at a time."""
+        steps = [self._decode_step(input_ids[:, j : j + 1], cache, targets) for j in range(input_ids.shape[1])]
+        dspark = torch.cat([m for _, m in steps], 1) if targets else None
+        return torch.cat([h for h, _ in steps], 1), dspark
+
+    def _decode_step(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, targets=()):
+        # input_ids [b, 1]: row i's token at position cache.lengths[i] -> (hidden [b, 1, dim], DSpark input or None)
         hashes = {}
         if cache.engram_ids is not None:  # each Engram layer's n-grams over the cached look-back context
             context, dead = cache.engram_context(input_ids)
@@ -451,10 +479,12 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre = torch.zeros(b, 1, self.hc, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1.0
         state = CSA2State(cache, positions=cache.lengths)
+        means = []
         for layer in self.layers:
-            x, pre = layer(x, pre, state, input_ids=input_ids, engram_hash_ids=hashes.get(layer.layer))
+            x, pre = layer(x, pre, state, input_ids=input_ids, engram_hash_ids=hashes.get(layer.layer),
+                           stream_means=means if layer.layer in targets else None)
         cache.advance(input_ids)
-        return self.norm(self.hc_collapse(x, pre))
+        return self.norm(self.hc_collapse(x, pre)), (torch.cat(means, -1) if targets else None)
 
     def embed_images(self, h, input_ids, pixel_values, image_grid_hws, vision_token_types):
         if not self.has_vision:
@@ -476,11 +506,19 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
 
 @dataclass
+class DeepseekV41ModelOutput(BaseModelOutputWithPast):
+    """``BaseModelOutputWithPast`` plus ``dspark_hidden`` [b, s, targets·dim] (``output_dspark_hidden=True``)."""
+
+    dspark_hidden: torch.Tensor | None = None
+
+
+@dataclass
 class DeepseekV41CausalLMOutput(CausalLMOutputWithPast):
     """``CausalLMOutputWithPast`` plus the head's input: the causal LM is its own backbone (``model.base_model`` is
     the model), so tools that run the backbone and apply the head themselves (TRL's chunked LM head) read it here."""
 
     last_hidden_state: torch.Tensor | None = None
+    dspark_hidden: torch.Tensor | None = None
 
 
 class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
@@ -525,6 +563,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         output = with_cache(  # logits fp32 [b, s, vocab]
             DeepseekV41CausalLMOutput, returned_cache(backbone), loss=loss, logits=logits,
             hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state,
+            dspark_hidden=backbone.dspark_hidden,
         )
         return output.to_tuple() if return_dict is False else output
 
@@ -610,9 +649,10 @@ def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, c
     for key in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx"):
         if key in extra:
             raise ValueError(f"packed (THD) inputs ({key}) are not supported: pad each sequence in its own row")
-    for key in ("mtp", "dspark", "num_draft_tokens", "output_dspark"):
+    for key in ("mtp", "dspark", "num_draft_tokens", "use_dspark"):
         if key in extra:
-            raise NotImplementedError("DSpark/MTP draft stages are not implemented (their mtp.* weights are skipped)")
+            raise ValueError(f"forward takes no {key}=: the DSpark stages draft in generate(..., use_dspark=True); "
+                             "forward(output_dspark_hidden=True) returns their input")
     if extra:
         raise TypeError(f"forward got unexpected keyword arguments {sorted(extra)}")
     if input_ids is None:
