@@ -33,7 +33,11 @@ import golden_fixtures
 from make_tiny_checkpoint import _Writer, dspark_tensors
 
 NAME = "v41_tiny_dspark"
-PREFILL = 48  # positions 0..47 prefilled; 48..63 decoded one at a time, each step drafting a block
+# Draft steps: for each odd position p in 49..63, a prefill of positions 0..p-1, then one decode step at p that
+# drafts a block.  Only odd p: at a position that leaves a ratio-2 group open, the official decode step's ratio-2
+# indexers score against a stale `shared_attn.index_k` (published only when a group completes: the last
+# publisher's keys, another layer's), so its outputs there are not the model's (the prefill has no such path).
+STEPS = range(49, 64, 2)
 SEED = 41
 # What the tiny text model gets on top (text_config fields, released names).
 DSPARK = {
@@ -91,9 +95,10 @@ def snapshot(base: Path, out: Path) -> dict:
 
 
 def official_run(module, fields: dict, overrides: dict, dtype, snap, tokenizer, ids: torch.Tensor) -> dict:
-    """Prefill ids[:, :PREFILL], then decode the rest one token per step (teacher-forced); after every forward
-    ``forward_spec`` seeds (prefill) or drafts (decode) with the stages, as the official loop does."""
+    """At each STEPS position p: prefill ids[:, :p] and seed the stages (``forward_spec(next, main_hidden, 0)``), then
+    decode ids[:, p] (teacher-forced) and draft a block with ``forward_spec(next, main_hidden, p)``."""
     args = module.ModelArgs(**{**fields, **overrides})
+    window = fields["window_size"]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -121,17 +126,18 @@ def official_run(module, fields: dict, overrides: dict, dtype, snap, tokenizer, 
         last.norm.register_forward_hook(keep("head_in", lambda a, out: out))
         last.markov_head.register_forward_hook(keep("markov_embed", lambda a, out: out[1]))
         record = {key: [] for key in ("first_ids", "draft_ids", "logits", "confidence", "head_in", "pre_head",
-                                      "markov_embed", "stage_out", "stage_pre_mix")}
+                                      "markov_embed", "stage_out", "stage_pre_mix", "window_main_hidden",
+                                      "step_main_hidden")}
         with torch.inference_mode():
-            out_ids, _, main_hidden = model(ids[:, :PREFILL], 0)
-            hiddens = [main_hidden]
-            assert model.forward_spec(out_ids, main_hidden, 0) is None
-            for pos in range(PREFILL, ids.shape[1]):
+            for pos in STEPS:
+                out_ids, _, prefix_hidden = model(ids[:, :pos], 0)
+                assert model.forward_spec(out_ids, prefix_hidden, 0) is None
                 out_ids, _, main_hidden = model(ids[:, pos : pos + 1], pos)
-                hiddens.append(main_hidden)
                 for value in seen.values():
                     value.clear()
                 drafted, logits, confidence = model.forward_spec(out_ids, main_hidden, pos)
+                record["window_main_hidden"].append(prefix_hidden[:, -window:])
+                record["step_main_hidden"].append(main_hidden[:, 0])
                 record["first_ids"].append(drafted[:, 0])
                 record["draft_ids"].append(drafted[:, 1:])
                 record["logits"].append(logits)
@@ -144,7 +150,7 @@ def official_run(module, fields: dict, overrides: dict, dtype, snap, tokenizer, 
     finally:
         torch.set_default_dtype(previous)
     out = {key: torch.stack(value, 1) for key, value in record.items()}  # [b, step, ...]
-    out["main_hidden"] = torch.cat(hiddens, 1)  # [b, s, targets·dim]
+    out["main_hidden"] = torch.cat([prefix_hidden, main_hidden], 1)  # the last step's: [b, 64, targets·dim]
     return out
 
 
@@ -173,6 +179,8 @@ def reference(config: dict, snapshot_dir: Path, base_golden: Path, official_dir:
         assert error < 1e-6, f"{tag}: logits are not head_in x head + markov_embed x markov head ({error:.1e})"
         assert torch.equal(r["logits"].argmax(-1), r["draft_ids"]), f"{tag}: the drafts are not the argmax"
         stored[f"{tag}.main_hidden"] = r["main_hidden"]
+        stored[f"{tag}.window_main_hidden"] = r["window_main_hidden"]
+        stored[f"{tag}.step_main_hidden"] = r["step_main_hidden"]
         stored[f"{tag}.block_first_ids"] = r["first_ids"]
         stored[f"{tag}.draft_ids"] = r["draft_ids"]
         stored[f"{tag}.head_in"] = r["head_in"]
@@ -229,12 +237,19 @@ values as the backbone's (seed 41). `official_args.json`: the official `ModelArg
 
 ## Runs
 
-Each run: prefill of `input_ids[:, :48]` (`Transformer.forward(ids, 0)`), then `forward_spec(next, main_hidden, 0)`
-(seeds each stage's window with the main model's positions 0..47); then for pos = 48..63 (teacher-forced:
-the input's own tokens): `forward(input_ids[:, pos], pos)` and `forward_spec(next, main_hidden, pos)`, which drafts
-one block: token 0 = the backbone's argmax `next` (position pos + 1), tokens 1..3 = the noise id; logits i of the
+Each run, at each of the 8 draft positions pos = 49, 51, ..., 63: a prefill of `input_ids[:, :pos]`
+(`Transformer.forward(ids, 0)`) and `forward_spec(next, main_hidden, 0)` (seeds each stage's window with the main
+model's positions), then one decode step `forward(input_ids[:, pos], pos)` (teacher-forced: the input's own token)
+and `forward_spec(next, main_hidden, pos)`, which drafts one block: token 0 = the backbone's argmax `next` (position pos + 1), tokens 1..3 = the noise id; logits i of the
 block predict the token after block token i (position pos + 2 + i) and get the Markov head's bias of the
 previously drafted token (token 0 = `next`); drafts are their argmax, chained.
+
+Why one decode step per prefill, at odd positions only: the official decode step at a position that leaves a
+ratio-2 compression group open (even positions) lets the ratio-2 indexers (layers 2, 4) score against a stale
+`shared_attn.index_k` (it is published only when the group completes, so it still holds the last publisher's keys:
+another layer's); the main model's decode outputs there differ from its prefill (up to 5e-2 relative in the
+stages' input at the tiny model), and every later step inherits the error through the caches. A prefill has no
+such path, and a decode step at an odd position completes the group, so every output here is the model's.
 
 | tag | weights | numerics |
 |---|---|---|
@@ -242,22 +257,24 @@ previously drafted token (token 0 = `next`); drafts are their argmax, chained.
 | `fp8w_bf16` | as released | official FP8 path |
 | `bf16w_fp32` | as `bf16w_bf16` | the same graph in fp32 (bf16-valued weights widened, Engram lookup widened): not official numerics |
 
-## Keys of `golden.safetensors` (step = decode step 0..15 at position 48 + step, B = 4)
+## Keys of `golden.safetensors` (step = draft step 0..7 at position pos = 49 + 2·step, B = 4)
 
 | key | shape | dtype | meaning |
 |---|---|---|---|
 | `input_ids` | [2, 64] | I64 | the text fixture's input ids |
 | `logits_vocab_sample_ids` | [n] | I64 | sorted: ids 0..255 of the text fixture's sample and every id drafted in any run |
-| `{tag}.main_hidden` | [2, 64, 96] | BF16 / F32 | the stages' input: per target layer 6, 7, 8 the mean over the 4 streams of the block's input, concatenated |
-| `{tag}.block_first_ids` | [2, 16] | I64 | block token 0 (the backbone's argmax at pos) |
-| `{tag}.draft_ids` | [2, 16, 4] | I64 | the drafted tokens (argmax of the block's logits) |
-| `{tag}.head_in` | [2, 16, 4, 32] | BF16 / F32 | `norm(hc_pre(stage 2 streams, its ffn pre-mix))`, the head's input |
-| `{tag}.markov_embed` | [2, 16, 4, 4] | BF16 / F32 | Markov embedding of the previous token of each block position |
-| `{tag}.confidence` | [2, 16, 4] | F32 | confidence head output (`proj(cat(hc_pre(...), markov_embed))`, a logit) |
-| `bf16w_bf16.logits_vocab_sample` | [2, 16, 4, n] | F32 | draft logits (head + Markov bias) at the sample ids |
-| `bf16w_bf16.pre_head` | [2, 16, 4, 32] | BF16 | `hc_pre(...)` before the norm |
-| `bf16w_bf16.stage_out` | [2, 16, 3, 4, 4, 32] | BF16 | each stage's output streams [b, step, stage, B, hc, dim] |
-| `bf16w_bf16.stage_pre_mix` | [2, 16, 3, 4, 4] | F32 | each stage's FFN pre-mix handed on |
+| `{tag}.main_hidden` | [2, 64, 96] | BF16 / F32 | the stages' input (per target layer 6, 7, 8 the mean over the 4 streams of the block's input, concatenated) of the last step: its prefill (0..62) and decode (63) |
+| `{tag}.window_main_hidden` | [2, 8, 16, 96] | BF16 / F32 | per step, the stages' input at positions pos-16 .. pos-1 from that step's prefill (what the stages' windows hold) |
+| `{tag}.step_main_hidden` | [2, 8, 96] | BF16 / F32 | per step, the stages' input at pos (the decode step) |
+| `{tag}.block_first_ids` | [2, 8] | I64 | block token 0 (the backbone's argmax at pos) |
+| `{tag}.draft_ids` | [2, 8, 4] | I64 | the drafted tokens (argmax of the block's logits) |
+| `{tag}.head_in` | [2, 8, 4, 32] | BF16 / F32 | `norm(hc_pre(stage 2 streams, its ffn pre-mix))`, the head's input |
+| `{tag}.markov_embed` | [2, 8, 4, 4] | BF16 / F32 | Markov embedding of the previous token of each block position |
+| `{tag}.confidence` | [2, 8, 4] | F32 | confidence head output (`proj(cat(hc_pre(...), markov_embed))`, a logit) |
+| `bf16w_bf16.logits_vocab_sample` | [2, 8, 4, n] | F32 | draft logits (head + Markov bias) at the sample ids |
+| `bf16w_bf16.pre_head` | [2, 8, 4, 32] | BF16 | `hc_pre(...)` before the norm |
+| `bf16w_bf16.stage_out` | [2, 8, 3, 4, 4, 32] | BF16 | each stage's output streams [b, step, stage, B, hc, dim] |
+| `bf16w_bf16.stage_pre_mix` | [2, 8, 3, 4, 4] | F32 | each stage's FFN pre-mix handed on |
 
 Full draft logits = `head_in.float() @ head.weight.float().T + markov_embed.float() @
 mtp.2.markov_head.head.weight.float().T` (checked against the returned logits in every run, rel. L2 < 1e-6).
