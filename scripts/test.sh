@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The test command of the README (and of CI): set up `.venv` (scripts/setup_env.sh), then run the whole suite
-# (GPU tests skip on CPU). Extra arguments go to pytest.
+# (GPU tests skip on CPU), then the checkpoint tests once more under the machine's system Python when that is
+# another build (scripts/test_system_python.sh: Debian's /usr/bin/python3 pickles DCP metadata differently).
+# Extra arguments go to pytest and skip that second step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+extra_args=$#
 source scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Test files run in parallel, one worker per core up to 4 (PYTEST_WORKERS overrides; 0 or 1 runs in one
@@ -17,3 +20,7 @@ if [ "$workers" -gt 1 ]; then
 fi
 echo "test: python -m pytest -q $*"
 python -m pytest -q "$@"
+if [ "$extra_args" -eq 0 ] && [ -x /usr/bin/python3 ] && \
+   [ "$(/usr/bin/python3 -c 'import sys; print(sys.version)')" != "$(python -c 'import sys; print(sys.version)')" ]; then
+  bash scripts/test_system_python.sh
+fi
