@@ -30,7 +30,8 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import compare_with_official as official_tools
 import golden_fixtures
-from make_tiny_checkpoint import _Writer, dspark_tensors
+
+from deepseek_v41.training.tiny_checkpoint import _Writer, dspark_tensors
 
 NAME = "v41_tiny_dspark"
 # Draft steps: for each odd position p in 49..63, a prefill of positions 0..p-1, then one decode step at p that

@@ -88,6 +88,71 @@ def attention_backend(name: str):
     return sparse_attention_torch, indexer_scores_torch
 
 
+def torch_attention_bytes(config, layer: int, batch: int, seq: int, kv_bytes: int) -> int:
+    """Bytes the ``torch`` attention backend holds at once in ``layer`` for a prefill of ``seq`` columns: at least
+    the indexer's fp32 per-head products [b, s, index_n_heads, T] (T = s // ratio entries) and their ReLU, and the
+    attention's gathered rows [b, s, k, head_dim] (k = window + top-k slots) in the KV dtype and in fp32.  Both
+    grow with s² at a fixed ratio (the indexer's with index_n_heads, ~128 GiB at 32k tokens for the released
+    widths), which is why long prefills take the TileLang kernels, which never form them."""
+    ratio = config.compress_ratios[layer]
+    slots = config.sliding_window
+    indexer = 0
+    if ratio:
+        entries = seq // ratio
+        slots += min(config.index_topk, entries)
+        if config.attention_mode(layer) in ("full", "reindex"):
+            indexer = 2 * batch * seq * config.index_n_heads * entries * 4
+    return max(indexer, batch * seq * slots * config.head_dim * (kv_bytes + 4))
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device``: CUDA's free memory plus what PyTorch's caching allocator
+    holds unused; the host's MemAvailable for the CPU; None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def check_attention_memory(model, batch: int, seq: int) -> None:
+    """Raise ``ValueError`` before a prefill that the ``torch`` attention backend cannot hold on its devices (naming
+    the backend, the bytes needed and the longest prefill that fits) rather than fail with an out-of-memory error
+    part way through; other backends are not checked."""
+    if model.config.backend["attn"] != "torch":
+        return
+    text, free = model.config.text_config, {}
+    kv_bytes = model.embed.weight.element_size()
+    for block in model.layers:
+        device = block.attn.attn_sink.device
+        need = torch_attention_bytes(text, block.layer, batch, seq, kv_bytes)
+        if device not in free:
+            free[device] = free_memory(device)
+        if free[device] is None or need <= free[device]:
+            continue
+        fits, too_long = 0, seq  # the longest prefill this layer holds there, by bisection on the estimate
+        while too_long - fits > 1:
+            middle = (fits + too_long) // 2
+            if torch_attention_bytes(text, block.layer, batch, middle, kv_bytes) <= free[device]:
+                fits = middle
+            else:
+                too_long = middle
+        raise ValueError(
+            f"attn backend 'torch' cannot hold a prefill of {seq} columns (batch {batch}) on {device}: layer "
+            f"{block.layer}'s indexer scores and gathered KV need at least {need / 2**30:.1f} GiB and "
+            f"{free[device] / 2**30:.1f} GiB are free, enough for about {fits} columns at this batch. Use attn "
+            "backend 'tilelang' (backend={'attn': 'tilelang'}; it never forms them), a shorter prompt or a smaller "
+            "batch"
+        )
+
+
 def sliding_window_indices(s: int, window: int, device) -> torch.Tensor:
     # [s, window]: query i sees positions max(0, i - window + 1) .. i; -1 pads the start
     idx = torch.arange(s, device=device).unsqueeze(1) - (window - 1) + torch.arange(window, device=device)
@@ -285,8 +350,10 @@ class Attention(nn.Module):
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         # o [n, groups, d] -> [n, groups·o_lora]: group g through rows g·o_lora..(g+1)·o_lora of wo_a
         if is_plain_linear(self.wo_a):
-            wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-            return _GroupedProjection.apply(o, wo_a.to(o.dtype))
+            wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1).to(o.dtype)
+            if torch.compiler.is_compiling():  # Dynamo takes no strided out=: the same product, then token-major
+                return torch.bmm(o.transpose(0, 1), wo_a.transpose(1, 2)).transpose(0, 1).reshape(o.shape[0], -1)
+            return _GroupedProjection.apply(o, wo_a)
         # a wrapped wo_a (PEFT LoRA, ...) is called as a module, every group through all rows [n, groups, groups·r],
         # and each group keeps its own block (the diagonal): exactly the merged weight's block-diagonal product
         y = self.wo_a(o).unflatten(-1, (self.o_groups, self.o_lora_rank))  # [n, groups, groups, r]
@@ -332,11 +399,8 @@ class Attention(nn.Module):
         if self.mode != "full":
             return
         layer_cache.fill_compressed(state.read(self.layer, "compressed_kv"), state.read(self.layer, "index_k"))
-        if self.ratio > 1:  # the open group: positions (lengths // r)·r + j in slot j
-            r = self.ratio
-            pos = (state.lengths // r * r).unsqueeze(1) + torch.arange(r, device=x.device)
-            rows = x.gather(1, pos.clamp(max=x.shape[1] - 1).unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-            layer_cache.fill_carry(*self.compressor.project(rows))
+        if self.ratio > 1:  # the open group's fp32 projections
+            layer_cache.fill_carry(x, state.lengths, self.compressor.project)
 
     def _decode_step(self, x, state):
         # x [b, 1, dim]: one new token per row, row i at position state.positions[i] -> [b, 1, dim].
@@ -347,22 +411,24 @@ class Attention(nn.Module):
         xt = x.transpose(0, 1)  # [1, b, dim]
         cis = self._rope_cis(pos)  # [b, rope_dim / 2]
         qr, q = self._queries(xt, cis)
-        ring = layer_cache.push_window(self._window_kv(xt, cis)[0], pos)  # [b, W, head_dim]
-        kv, idx = ring, layer_cache.window_slots(pos)  # idx [b, 1, W]
+        ring = layer_cache.push_window(self._window_kv(xt, cis)[0], pos)  # [b, R, head_dim], R >= W ring slots
+        kv, idx = ring, layer_cache.window_slots(pos)  # idx [b, 1, R]: the last W positions' slots, -1 elsewhere
         if self.ratio:
             compressed_kv = self._compressed_decode(xt, qr, cis, state)  # [b, T, head_dim]
             topk = state.read(self.index_source, "topk")  # [b, 1, k]
             picked = compressed_kv.gather(1, topk.clamp(min=0).transpose(1, 2).expand(-1, -1, kv.shape[-1]))
-            slots = torch.arange(topk.shape[-1], device=x.device) + self.window
-            kv = torch.cat([ring, picked.to(ring.dtype)], dim=1)  # [b, W + k, head_dim]
+            slots = torch.arange(topk.shape[-1], device=x.device) + ring.shape[1]
+            kv = torch.cat([ring, picked.to(ring.dtype)], dim=1)  # [b, R + k, head_dim]
             idx = torch.cat([idx, torch.where(topk >= 0, slots, -1)], dim=-1)
         o = sparse_attention_torch(q.transpose(0, 1), kv, self.attn_sink, idx, self.head_dim**-0.5)
         return self._output(o.transpose(0, 1), cis).transpose(0, 1)
 
     def _compressed_decode(self, xt, qr, cis, state):
         # Full: the new token joins its group (a new entry when the group completes); publishes like a prefill.
+        # The entries read: as many as the furthest row sees (a growing cache), or a preallocated cache's whole
+        # capacity (n_visible None: fixed shapes, no host value), the ones a row does not see yet masked in scoring
         r, pos = self.ratio, state.positions
-        n_visible = max((n + 1) // r for n in state.cache.lengths_host)  # entries any row sees (host ints)
+        n_visible = state.cache.entries_visible(r)
         if self.mode == "full":
             layer_cache = state.cache.layers[self.layer]
             if r == 1:
@@ -375,7 +441,7 @@ class Attention(nn.Module):
             self._publish_entries(scratch, latent, self._rope_cis(entry * r))
             layer_cache.push_entry(
                 scratch.read(self.layer, "compressed_kv")[0], scratch.read(self.layer, "index_k")[0], entry,
-                (pos + 1) % r == 0, max(n // r for n in state.cache.lengths_host) + 1,
+                (pos + 1) % r == 0, state.cache.entries_needed(r),
             )
             state.publish(self.layer, "index_k", layer_cache.index_k[:, :n_visible])
             state.publish(self.layer, "compressed_kv", layer_cache.compressed_kv[:, :n_visible])

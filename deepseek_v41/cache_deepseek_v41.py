@@ -23,20 +23,58 @@ in every layer, ``compress_kv_cache`` [B, max_seq_len / r, head_dim] and the ind
 [B, max_seq_len / r, index_head_dim] in the Full layers, and the compressor's ``kv_state`` / ``score_state``
 [B, r, head_dim] fp32: the same 3,200 bytes per token of capacity, allocated whether used or not.  Here the
 entries grow with the sequence (capacity doubling) and the cache reorders / repeats rows for beam search.
+
+``DeepseekV41StaticCache`` is the preallocated sibling (``cache_implementation="static"``; what ``generate`` uses on
+CUDA): every tensor is sized for its batch and ``max_cache_len`` positions up front, as the official code's buffers
+are, and written in place, so a decode step has the same shapes and tensor addresses every time and runs without
+reading anything back to the host (it is captured once as a CUDA graph and replayed, ``decode_graph.py``): the
+compressed entries are read over the whole capacity with a validity mask ((position + 1) // ratio entries per row)
+instead of sliced to the longest row's count, the completed group's entry is a masked in-place write, and the Engram
+look-back is a ring indexed by position like the window.  Everything a row holds is indexed by its position
+(``lengths``, one counter per row): ring slot p % size, entry p // ratio.  With ``rollback_tokens=k`` the rings keep
+k positions more than decoding needs (the window W + k keys, the open group's carry r + k projections, the
+Engram look-back n - 1 + k ids), so forgetting a row's last k tokens is only a smaller counter: what the earlier
+positions need is still in their slots, and the entries past the new count are masked until rewritten.
 """
 
 import torch
 from transformers.cache_utils import Cache
 
 
-class CSA2LayerCache:
-    """One attention layer's decode state (see the module docstring)."""
+def ring_of(values: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
+    """values [b, s, ...] over left-aligned rows (real tokens at 0 .. lengths-1) -> [b, size, ...]: positions
+    lengths - size .. lengths - 1 in slots p % size (``size`` distinct slots); those before the start are zero."""
+    pos = lengths.unsqueeze(1) - size + torch.arange(size, device=values.device)  # [b, size]
+    tail = [1] * (values.dim() - 2)
 
-    def __init__(self, window: int, ratio: int, full: bool):
+    def spread(index):  # [b, size] -> values' shape past dim 1
+        return index.view(*index.shape, *tail).expand(-1, -1, *values.shape[2:])
+
+    rows = values.gather(1, spread(pos.clamp(min=0))).masked_fill(spread(pos < 0), 0)
+    return torch.zeros_like(rows).scatter(1, spread(pos % size), rows)
+
+
+def ring_slots(pos: torch.Tensor, size: int, span: int) -> torch.Tensor:
+    """int64 [b, size]: for a ring of ``size`` slots holding position p in slot p % size, slot j where it holds
+    one of the ``span`` positions pos - span + 1 .. pos (pos [b]) that exist (>= 0), else -1."""
+    slots = torch.arange(size, device=pos.device)
+    held = pos.unsqueeze(1) - (pos.unsqueeze(1) - slots) % size  # the latest position <= pos in each slot
+    return torch.where((held >= 0) & (pos.unsqueeze(1) - held < span), slots, -1)
+
+
+class CSA2LayerCache:
+    """One attention layer's decode state (see the module docstring).  ``spare``: positions the rings keep beyond
+    what decoding reads (``rollback_tokens`` of a static cache; 0 here)."""
+
+    static = False
+
+    def __init__(self, window: int, ratio: int, full: bool, spare: int = 0):
         self.window, self.ratio, self.full = window, ratio, full
-        self.window_kv = None  # [b, W, head_dim] ring, slot p % W
+        self.window_ring = window + spare  # slots of the window ring: position p in slot p % window_ring
+        self.carry_ring = ratio + spare if full and ratio > 1 else 0  # slots of the open group's projections
+        self.window_kv = None  # [b, window_ring, head_dim]
         self.compressed_kv = self.index_k = None  # [b, cap, ·]: entries 0 .. lengths // ratio - 1 are valid
-        self.carry_kv = self.carry_score = None  # fp32 [b, r, head_dim] (ratio > 1 Full layers)
+        self.carry_kv = self.carry_score = None  # fp32 [b, carry_ring, head_dim] (ratio > 1 Full layers)
 
     def tensors(self) -> dict:
         return {name: value for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
@@ -45,53 +83,90 @@ class CSA2LayerCache:
         for name, value in self.tensors().items():
             setattr(self, name, fn(value))
 
+    def _store(self, name: str, value: torch.Tensor) -> None:
+        setattr(self, name, value)
+
     # ---- prefill: rows left-aligned, real tokens at columns 0 .. lengths-1 -------------------------------
 
     def fill_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
-        # kv [b, s, d]: the ring holds positions lengths - W .. lengths - 1 (those < 0 are zero, never read)
-        w = self.window
-        pos = lengths.unsqueeze(1) - w + torch.arange(w, device=kv.device)  # [b, W], W distinct slots mod W
-        rows = kv.gather(1, pos.clamp(min=0).unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
-        rows = rows.masked_fill((pos < 0).unsqueeze(-1), 0)
-        slots = (pos % w).unsqueeze(-1).expand_as(rows)
-        self.window_kv = torch.zeros_like(rows).scatter(1, slots, rows)
+        # kv [b, s, d]: the ring holds positions lengths - window_ring .. lengths - 1 (those < 0 are zero, never read)
+        self._store("window_kv", ring_of(kv, lengths, self.window_ring))
 
     def fill_compressed(self, compressed_kv: torch.Tensor, index_k: torch.Tensor) -> None:
         # [b, T, ·] for the T = s // ratio groups of the frame; a row's entries past lengths // ratio are unused
         self.compressed_kv, self.index_k = compressed_kv.clone(), index_k.clone()
 
-    def fill_carry(self, kv: torch.Tensor, score: torch.Tensor) -> None:
-        # fp32 [b, r, d]: slot j holds position (lengths // r)·r + j (slots past the row's end are rewritten first)
-        self.carry_kv, self.carry_score = kv.clone(), score.clone()
+    def fill_carry(self, x: torch.Tensor, lengths: torch.Tensor, project) -> None:
+        # x [b, s, dim] (the attention input), project: x rows -> fp32 (kv, score) [.., head_dim].  The ring holds
+        # the projections of positions lengths - carry_ring .. lengths - 1 in slots p % carry_ring: the open group's
+        # tokens among them (its slots past the row's end are rewritten before the group is pooled)
+        kv, score = project(ring_of(x, lengths, self.carry_ring))  # rows in slot order
+        self._store("carry_kv", kv)
+        self._store("carry_score", score)
 
     # ---- decode: one new token per row at positions pos [b]; written in place ------------------------------
 
     def push_window(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # kv [b, d] -> the ring [b, W, d] with position pos in slot pos % W
-        slot = (pos % self.window).view(-1, 1, 1).expand(-1, 1, kv.shape[-1])
+        # kv [b, d] -> the ring [b, window_ring, d] with position pos in slot pos % window_ring
+        slot = (pos % self.window_ring).view(-1, 1, 1).expand(-1, 1, kv.shape[-1])
         return self.window_kv.scatter_(1, slot, kv.unsqueeze(1).to(self.window_kv.dtype))
 
     def window_slots(self, pos: torch.Tensor) -> torch.Tensor:
-        # int64 [b, 1, W]: slot ids a query at pos may read (-1 while the ring is still filling)
-        slots = torch.arange(self.window, device=pos.device)
-        return torch.where(slots <= pos.unsqueeze(1), slots, -1).unsqueeze(1)
+        # int64 [b, 1, window_ring]: slot ids a query at pos reads (its last `window` positions), -1 elsewhere
+        return ring_slots(pos, self.window_ring, self.window).unsqueeze(1)
 
     def push_carry(self, kv: torch.Tensor, score: torch.Tensor, pos: torch.Tensor):
-        # fp32 [b, d] each -> the open group's slots [b, r, d] with position pos in slot pos % r
-        slot = (pos % self.ratio).view(-1, 1, 1).expand(-1, 1, kv.shape[-1])
-        return self.carry_kv.scatter_(1, slot, kv.unsqueeze(1)), self.carry_score.scatter_(1, slot, score.unsqueeze(1))
+        # fp32 [b, d] each at position pos -> the open group's r projections [b, r, d] each, in position order
+        slot = (pos % self.carry_ring).view(-1, 1, 1).expand(-1, 1, kv.shape[-1])
+        self.carry_kv.scatter_(1, slot, kv.unsqueeze(1))
+        self.carry_score.scatter_(1, slot, score.unsqueeze(1))
+        if self.carry_ring == self.ratio:  # slot j holds the group's j-th position
+            return self.carry_kv, self.carry_score
+        group = (pos // self.ratio * self.ratio).unsqueeze(1) + torch.arange(self.ratio, device=pos.device)
+        at = (group % self.carry_ring).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+        return self.carry_kv.gather(1, at), self.carry_score.gather(1, at)
 
-    def push_entry(self, kv, key, entry: torch.Tensor, complete: torch.Tensor, need: int) -> None:
+    def push_entry(self, kv, key, entry: torch.Tensor, complete: torch.Tensor, need: int | None) -> None:
         # kv [b, d], key [b, D]: written at entry [b] in the rows whose group just completed (complete [b] bool);
-        # need = max(entry) + 1, known on the host
-        if need > self.compressed_kv.shape[1]:  # grow by doubling: amortized O(1) per token
+        # need = max(entry) + 1, known on the host (None: a preallocated cache, which never grows)
+        if need is not None and need > self.compressed_kv.shape[1]:  # grow by doubling: amortized O(1) per token
             grow = max(need, 2 * self.compressed_kv.shape[1], 16) - self.compressed_kv.shape[1]
             self.compressed_kv = torch.nn.functional.pad(self.compressed_kv, (0, 0, 0, grow))
             self.index_k = torch.nn.functional.pad(self.index_k, (0, 0, 0, grow))
-        for store, new in ((self.compressed_kv, kv), (self.index_k, key)):  # in place: O(1) per step
+        for store, new in ((self.compressed_kv, kv), (self.index_k, key)):  # in place, masked: O(1) per step
             at = entry.view(-1, 1, 1).expand(-1, 1, store.shape[-1])
             value = torch.where(complete.view(-1, 1, 1), new.unsqueeze(1).to(store.dtype), store.gather(1, at))
             store.scatter_(1, at, value)
+
+
+class StaticCSA2LayerCache(CSA2LayerCache):
+    """A layer's decode state in buffers allocated once (at the first prefill, on its layer's device, in the dtypes
+    the layer produces) for the batch and ``max_cache_len`` positions, and afterwards only written in place."""
+
+    static = True
+
+    def __init__(self, window: int, ratio: int, full: bool, spare: int, max_cache_len: int, owner):
+        super().__init__(window, ratio, full, spare)
+        self.entries = -(-max_cache_len // ratio) if full else 0  # entry p // ratio for every position < max_cache_len
+        self.owner = owner  # the cache, told when a buffer is (re)allocated: a captured graph read the old one
+
+    def _store(self, name: str, value: torch.Tensor) -> None:
+        held = getattr(self, name)
+        if held is None or held.shape != value.shape or held.dtype != value.dtype or held.device != value.device:
+            setattr(self, name, torch.empty_like(value))
+            self.owner.buffers_changed()
+        getattr(self, name).copy_(value)
+
+    def fill_compressed(self, compressed_kv: torch.Tensor, index_k: torch.Tensor) -> None:
+        # entries 0 .. T-1 from the prefill; the rest of the capacity is rewritten before any row reads it
+        b, T = compressed_kv.shape[:2]
+        for name, value in (("compressed_kv", compressed_kv), ("index_k", index_k)):
+            held = getattr(self, name)
+            if held is None or held.shape != (b, self.entries, value.shape[-1]) or held.dtype != value.dtype \
+                    or held.device != value.device:
+                setattr(self, name, value.new_zeros((b, self.entries, value.shape[-1])))
+                self.owner.buffers_changed()
+            getattr(self, name)[:, :T].copy_(value)
 
 
 class DeepseekV41Cache(Cache):
@@ -100,27 +175,34 @@ class DeepseekV41Cache(Cache):
 
     Decoding runs one token per row per step (several new columns are decoded one after the other)."""
 
+    # generate's auto-compile (torch.compile of the whole forward, prefill included) stays off: the model captures
+    # its own decode step as a CUDA graph (decode_graph.py)
     is_compileable = False
+    is_static = False
 
     def __init__(self, config, batch_size: int | None = None):
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         text = getattr(text, "text_config", text)
-        layers = [
-            CSA2LayerCache(text.sliding_window, text.compress_ratios[i], text.attention_mode(i) == "full")
-            for i in range(text.num_hidden_layers)
-        ]
+        self.text_config = text
+        layers = [self._layer_cache(i) for i in range(text.num_hidden_layers)]
         try:
             super().__init__(layers=layers)
         except TypeError:  # an older Cache.__init__ without ``layers``
             super().__init__()
             self.layers = layers
-        self.text_config = text
         self.columns = 0  # input columns consumed (padding included)
         self.lengths = None  # int64 [b]: real tokens seen per row = the next token's position
         self.lengths_host = None  # the same as Python ints (sizes the decode step without a device sync)
         self.engram_ids = self.engram_dead = None  # [b, max_ngram - 1]: Engram's look-back context
 
+    def _layer_cache(self, layer: int) -> CSA2LayerCache:
+        text = self.text_config
+        return CSA2LayerCache(text.sliding_window, text.compress_ratios[layer], text.attention_mode(layer) == "full")
+
     # ---- what the model calls ------------------------------------------------------------------------------
+
+    def begin_prefill(self, batch: int, columns: int) -> None:
+        """Before a prefill of ``columns`` columns per row (nothing to prepare: this cache grows)."""
 
     def finish_prefill(self, input_ids, image_mask, lengths: torch.Tensor, columns: int) -> None:
         """After a prefill over left-aligned rows (input_ids [b, s], image_mask [b, s] or None)."""
@@ -136,9 +218,25 @@ class DeepseekV41Cache(Cache):
                 dead = dead | image_mask.gather(1, safe)
             self.engram_dead = dead
 
+    def check_room(self, new_columns: int) -> None:
+        """Raise unless ``new_columns`` more columns fit (always: this cache grows)."""
+
+    def entries_visible(self, ratio: int) -> int | None:
+        """Compressed entries a decode step reads at ``ratio``: the most any row sees (a host int, sizing the
+        step's tensors), or None for all of a preallocated cache's capacity, masked per row."""
+        return max((n + 1) // ratio for n in self.lengths_host)
+
+    def entries_needed(self, ratio: int) -> int | None:
+        """Entries the step's group-completion write needs room for (None: preallocated)."""
+        return max(n // ratio for n in self.lengths_host) + 1
+
     def advance(self, input_ids: torch.Tensor) -> None:
         """After a decode step of one text token per row (input_ids [b, 1])."""
+        self.advance_rows(input_ids)
         self.columns += 1
+
+    def advance_rows(self, input_ids: torch.Tensor) -> None:
+        """The per-row part of ``advance``: each row's count and Engram context."""
         self.lengths = self.lengths + 1
         self.lengths_host = [n + 1 for n in self.lengths_host]
         if self.engram_ids is not None:
@@ -218,11 +316,11 @@ class DeepseekV41Cache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
             raise NotImplementedError(
-                "DeepseekV41Cache cannot be cropped (its compressed entries and Engram context have no undo); "
+                f"{type(self).__name__} cannot be cropped (its compressed entries and Engram context have no undo); "
                 "prefill again from the kept tokens"
             )
 
-    def activate_past_recording(self) -> None:  # nothing to record: crop(n != 0) is refused
+    def activate_past_recording(self, *args, **kwargs) -> None:  # nothing to record: crop(n != 0) is refused
         pass
 
     def __len__(self) -> int:
@@ -230,6 +328,133 @@ class DeepseekV41Cache(Cache):
 
     def __repr__(self) -> str:
         return f"DeepseekV41Cache(columns={self.columns}, lengths={self.lengths_host}, bytes={self.nbytes()})"
+
+
+class DeepseekV41StaticCache(DeepseekV41Cache):
+    """A ``DeepseekV41Cache`` preallocated for one batch and ``max_cache_len`` positions (prompt columns, padding
+    included, plus the tokens to decode), written in place: its decode step has fixed shapes and reads nothing back
+    to the host, so the model captures it as a CUDA graph (``decode_graph.py``).  ``generate`` builds one on CUDA
+    (and anywhere with ``cache_implementation="static"``); it can also be made by hand and passed as ``cache=``.
+
+    The buffers are allocated at the first prefill (its batch; each layer's on its device, in the dtypes the model
+    computes) and reused by later prefills of the same batch.  ``rollback_tokens``: extra ring slots that keep the
+    state of that many earlier positions (see the module docstring); 0 keeps exactly what decoding reads."""
+
+    is_static = True
+
+    def __init__(self, config, max_cache_len: int, rollback_tokens: int = 0):
+        if max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive number of positions, got {max_cache_len}")
+        if rollback_tokens < 0:
+            raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
+        self._max_cache_len, self.rollback_tokens = max_cache_len, rollback_tokens
+        self.version = 0  # bumped whenever a buffer is (re)allocated: a graph captured on the old ones is stale
+        super().__init__(config)
+        n = self.text_config.engram_max_ngram_size - 1
+        self.engram_ring = n + rollback_tokens if self.text_config.engram_layer_ids and n > 0 else 0
+        self.graph = None  # the captured decode step (decode_graph.DecodeGraph) or why there is none (str)
+
+    def _layer_cache(self, layer: int) -> CSA2LayerCache:
+        text = self.text_config
+        return StaticCSA2LayerCache(text.sliding_window, text.compress_ratios[layer],
+                                    text.attention_mode(layer) == "full", self.rollback_tokens, self.max_cache_len,
+                                    self)
+
+    def buffers_changed(self) -> None:
+        self.version += 1
+
+    def _buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        # value copied into the held buffer `name`, (re)allocated when its shape, dtype or device differs
+        held = getattr(self, name)
+        if held is None or held.shape != value.shape or held.dtype != value.dtype or held.device != value.device:
+            setattr(self, name, torch.empty_like(value))
+            self.buffers_changed()
+        return getattr(self, name).copy_(value)
+
+    # ---- what the model calls ------------------------------------------------------------------------------
+
+    def begin_prefill(self, batch: int, columns: int) -> None:
+        if columns > self.max_cache_len:
+            raise ValueError(
+                f"a prompt of {columns} columns (padding included) does not fit this DeepseekV41StaticCache of "
+                f"max_cache_len={self.max_cache_len}; make the cache with a larger max_cache_len (generate sizes it "
+                "as prompt + max_new_tokens)"
+            )
+
+    def finish_prefill(self, input_ids, image_mask, lengths: torch.Tensor, columns: int) -> None:
+        self.columns = columns
+        self._buffer("lengths", lengths)
+        if self.engram_ring:  # the ring: position p in slot p % engram_ring; before the start or an image: dead
+            pos = lengths.unsqueeze(1) - self.engram_ring + torch.arange(self.engram_ring, device=lengths.device)
+            safe, slots = pos.clamp(min=0), pos % self.engram_ring
+            dead = pos < 0
+            if image_mask is not None:
+                dead = dead | image_mask.gather(1, safe)
+            self._buffer("engram_ids", torch.zeros_like(safe).scatter(1, slots, input_ids.gather(1, safe)))
+            self._buffer("engram_dead", torch.zeros_like(dead).scatter(1, slots, dead))
+
+    def check_room(self, new_columns: int) -> None:
+        if self.columns + new_columns > self.max_cache_len:
+            raise ValueError(
+                f"this DeepseekV41StaticCache holds max_cache_len={self.max_cache_len} positions and has used "
+                f"{self.columns}: {new_columns} more do not fit; make the cache with a larger max_cache_len"
+            )
+
+    def entries_visible(self, ratio: int) -> None:
+        return None
+
+    def entries_needed(self, ratio: int) -> None:
+        return None
+
+    def advance_rows(self, input_ids: torch.Tensor) -> None:
+        # in place (a captured graph replays these writes): the new token into the Engram ring, then the counts
+        if self.engram_ring:
+            slot = (self.lengths % self.engram_ring).unsqueeze(1)
+            self.engram_ids.scatter_(1, slot, input_ids.to(self.engram_ids.dtype))
+            self.engram_dead.scatter_(1, slot, torch.zeros_like(slot, dtype=torch.bool))
+        self.lengths.add_(1)
+
+    def engram_context(self, input_ids: torch.Tensor):
+        n = self.text_config.engram_max_ngram_size - 1
+        pos = self.lengths.unsqueeze(1) - n + torch.arange(n, device=self.lengths.device)  # [b, n]
+        slots = pos % self.engram_ring
+        ids = torch.cat([self.engram_ids.gather(1, slots), input_ids.to(self.engram_ids.dtype)], dim=1)
+        dead = self.engram_dead.gather(1, slots) | (pos < 0)
+        return ids, torch.cat([dead, dead.new_zeros(input_ids.shape)], dim=1)
+
+    # ---- the transformers Cache interface ------------------------------------------------------------------
+
+    @property
+    def max_cache_len(self) -> int:  # a read-only property of Cache in transformers 5.1x: ours, not deprecated
+        return self._max_cache_len
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_cache_len
+
+    def _map_rows(self, fn) -> None:
+        # beam search's reorder keeps the batch: rows are copied in place (the buffers, and a graph on them, stay);
+        # a selection or repetition changes it: new buffers
+        tensors = [(layer, name, t) for layer in self.layers for name, t in layer.tensors().items()]
+        tensors += [(self, name, getattr(self, name)) for name in ("lengths", "engram_ids", "engram_dead")
+                    if getattr(self, name) is not None]
+        for owner, name, t in tensors:
+            new = fn(t)
+            if new.shape == t.shape:
+                t.copy_(new)
+            else:
+                setattr(owner, name, new)
+                self.buffers_changed()
+
+    def reset(self) -> None:
+        # the buffers stay (the next prefill overwrites what it reads); so does a graph captured on them
+        self.columns = 0
+
+    def __repr__(self) -> str:
+        return (f"DeepseekV41StaticCache(columns={self.columns}, max_cache_len={self.max_cache_len}, "
+                f"batch={self.batch_size}, bytes={self.nbytes()})")
 
 
 def cache_bytes_per_token(text_config, bytes_per_element: int = 2) -> float:

@@ -30,6 +30,7 @@ class Engram(nn.Module):
         self.hc, self.dim = config.hc_mult, config.hidden_size
         self.max_ngram = config.engram_max_ngram_size
         self.pad_id = config.engram_pad_token_id
+        self.map_size = config.engram_compressed_vocab_size  # = cmap.max() + 1, checked by engram_constants
         self.eps = config.rms_norm_eps
         cols = (self.max_ngram - 1) * config.engram_n_heads
         self.embed = nn.Embedding(rows, config.engram_head_dim)
@@ -56,7 +57,7 @@ class Engram(nn.Module):
         # input_ids [b, s] -> table rows [b, s, (max_ngram - 1) * n_heads]
         return engram_hash(
             input_ids, self.cmap, self.multipliers, self.primes, self.offsets,
-            max_ngram_size=self.max_ngram, pad_id=self.pad_id, image_mask=image_mask,
+            max_ngram_size=self.max_ngram, pad_id=self.pad_id, image_mask=image_mask, map_size=self.map_size,
         )
 
     def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:

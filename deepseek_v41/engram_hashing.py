@@ -87,14 +87,16 @@ def build_compression_map(tokenizer) -> torch.Tensor:
     return torch.from_numpy(cmap)
 
 
-def compress_ids(input_ids: torch.Tensor, cmap: torch.Tensor) -> torch.Tensor:
+def compress_ids(input_ids: torch.Tensor, cmap: torch.Tensor, map_size: int | None = None) -> torch.Tensor:
     """Token ids -> compressed ids.  An id past the tokenizer's map (a token added with
     ``resize_token_embeddings``) gets a fresh compressed id of its own after the map's, ``size + id - len(cmap)``:
     each new token is a distinct string.  Its products with the multipliers may wrap in int64, which is
-    deterministic, and the floor-mod still gives a row inside the table."""
+    deterministic, and the floor-mod still gives a row inside the table.  ``map_size``: ``cmap.max() + 1`` when
+    the caller knows it (saves a reduction over the whole map at every call, e.g. every decode step)."""
     n = cmap.shape[0]
     known = cmap[input_ids.clamp(max=n - 1)]
-    return torch.where(input_ids < n, known, input_ids - n + cmap.max() + 1)
+    size = cmap.max() + 1 if map_size is None else map_size
+    return torch.where(input_ids < n, known, input_ids - n + size)
 
 
 def compression_map_size(cmap: torch.Tensor) -> int:
@@ -173,8 +175,9 @@ def engram_hash(
     max_ngram_size: int,
     pad_id: int,
     image_mask: torch.Tensor | None = None,
+    map_size: int | None = None,
 ) -> torch.Tensor:
-    """Table rows [b, s, (N-1)·H] (int64), columns order-major then head."""
+    """Table rows [b, s, (N-1)·H] (int64), columns order-major then head.  ``map_size``: see ``compress_ids``."""
     n = max_ngram_size
     if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(
@@ -202,7 +205,7 @@ def engram_hash(
     primes, offsets = primes.to(dev), offsets.to(dev)
 
     pad = cmap[pad_id]
-    tok = compress_ids(input_ids.long(), cmap)  # [b, s]
+    tok = compress_ids(input_ids.long(), cmap, map_size)  # [b, s]
     dead = torch.zeros_like(tok, dtype=torch.bool) if image_mask is None else image_mask.to(dev, torch.bool)
     # Left-pad n-1 positions that count as dead: "before the start" blocks history like an image token.
     tok = torch.cat([tok.new_full((b, n - 1), 0), tok], 1)  # [b, s+n-1]

@@ -18,6 +18,10 @@ the MoE combine and the experts' weighted SwiGLU.
   rounding) and its backward (gate, up and weight gradients), one kernel each way.
 * ``mix_dx_triton``: the input gradient of mHC's mix GEMM (``mhc_tile_kernels``), the 24-wide product and the
   RMS term in one pass.
+* ``qdq_triton``: quantization.py's three quantize-dequantize references in one kernel each, bit-identical, without
+  autograd (inference: the ``quant: torch`` boundaries use it on CUDA when no gradient is asked for).
+* ``split_sinkhorn_triton``: mHC's coefficient split and its 20 Sinkhorn rounds in one kernel, without autograd
+  (inference: ``mhc.hc_split_sinkhorn`` uses it on CUDA when no gradient is asked for).
 
 Triton ships with the CUDA builds of PyTorch; on CPU (or without Triton) the callers use eager PyTorch.
 """
@@ -34,6 +38,13 @@ except ImportError:  # CPU-only PyTorch builds come without Triton
 def triton_usable(x: torch.Tensor) -> bool:
     """True when ``x`` lives on a CUDA device and Triton is importable."""
     return triton is not None and x.is_cuda
+
+
+def inference_kernel_usable(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """True where a forward-only Triton kernel may stand in for an eager chain: x on CUDA with Triton, no gradient
+    asked of x or ``tensors``, and not inside torch.compile's tracing (Inductor fuses the eager chain itself)."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors))
+    return triton_usable(x) and not needs_grad and not torch.compiler.is_compiling()
 
 
 if triton is not None:
@@ -233,6 +244,78 @@ if triton is not None:
         c = tl.load(coef_ptr + rows, mask=rmask, other=0.0)
         tl.store(dx_ptr + off, (acc - c[:, None] * x).to(dx_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _pow2_ceil(v):
+        # fp32 v > 0 (normal) -> 2^ceil(log2 v), exactly: from the exponent and whether a mantissa bit is set
+        bits = v.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        return (e << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _round_half_even(a):
+        # a >= 0 -> the nearest integer, ties to even (torch.round), from exact operations only
+        f = tl.floor(a)
+        d = a - f
+        odd = f - 2.0 * tl.floor(f * 0.5)  # 1.0 when f is odd
+        return tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + odd))
+
+    @triton.jit
+    def _qdq_kernel(x_ptr, out_ptr, n_blocks, MODE: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr):
+        # x, out [n_blocks · BLOCK]: each block of BLOCK values rounded through a format and back, quantization.py's
+        # references step by step in exact fp32 operations (IEEE division), so the result is theirs bit for bit.
+        # MODE 0: FP8 e4m3, UE8M0 scale; 1: FP4 e2m1, UE8M0 scale; 2: FP4 e2m1, E4M3 scale
+        blocks = tl.program_id(0) * R + tl.arange(0, R)
+        off = blocks.to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        live = (blocks < n_blocks)[:, None]
+        xb = tl.load(x_ptr + off, mask=live, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(xb), axis=1)
+        if MODE == 0:
+            scale = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+        elif MODE == 1:
+            scale = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-126), 6.0))
+        else:
+            scale = tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), 6.0), 448.0)
+            scale = scale.to(tl.float8e4nv).to(tl.float32)
+        y = tl.math.div_rn(xb, scale[:, None])
+        if MODE == 0:
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+        else:  # quantization.round_to_e2m1: half-to-even on the level grid of each range, then y's sign
+            y = tl.minimum(tl.maximum(y, -6.0), 6.0)
+            a = tl.abs(y)
+            q = tl.where(a < 2, _round_half_even(a * 2) * 0.5,
+                         tl.where(a < 4, _round_half_even(a), _round_half_even(a * 0.5) * 2))
+            sign = y.to(tl.int32, bitcast=True) & -2147483648
+            y = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        tl.store(out_ptr + off, (y * scale[:, None]).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _split_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, eps, HC: tl.constexpr,
+                               ITERS: tl.constexpr, BLOCK_R: tl.constexpr):
+        # mix fp32 [n, (2+HC)·HC] -> pre, post [n, HC], comb [n, HC(src), HC(dst)]: mhc.hc_split_sinkhorn with the
+        # whole Sinkhorn loop in registers (eager runs ~6 kernels per round)
+        W: tl.constexpr = (2 + HC) * HC
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = rows < n_rows
+        r64 = rows.to(tl.int64)
+        h = tl.arange(0, HC)
+        m2 = live[:, None]
+        s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+        pre = tl.load(mix_ptr + r64[:, None] * W + h[None, :], mask=m2, other=0.0) * s0 + tl.load(base_ptr + h)[None, :]
+        post = tl.load(mix_ptr + r64[:, None] * W + HC + h[None, :], mask=m2, other=0.0) * s1 \
+            + tl.load(base_ptr + HC + h)[None, :]
+        tl.store(pre_ptr + r64[:, None] * HC + h[None, :], tl.sigmoid(pre) + eps, mask=m2)
+        tl.store(post_ptr + r64[:, None] * HC + h[None, :], 2 * tl.sigmoid(post), mask=m2)
+        ij = h[None, :, None] * HC + h[None, None, :]  # [1, HC, HC]
+        m3 = live[:, None, None]
+        c = tl.load(mix_ptr + r64[:, None, None] * W + 2 * HC + ij, mask=m3, other=0.0) * s2 + tl.load(base_ptr + 2 * HC + ij)
+        c = tl.exp(c - tl.max(c, axis=2)[:, :, None])  # softmax over the destinations
+        c = c / tl.sum(c, axis=2)[:, :, None] + eps
+        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+        for _ in range(ITERS - 1):
+            c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
+            c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+        tl.store(comb_ptr + r64[:, None, None] * (HC * HC) + ij, c, mask=m3)
+
 
 def rope_kernel_fits(x: torch.Tensor, rd: int) -> bool:
     """Whether ``rope_rotate`` takes x [.., d] with rd rotated channels: contiguous, rd a power of two <= d."""
@@ -375,3 +458,41 @@ def mix_dx_triton(g_y: torch.Tensor, fn: torch.Tensor, coef: torch.Tensor, x: to
         N_PAD=max(16, triton.next_power_of_2(n)), BLOCK_R=block_r, BLOCK_C=block_c, PRECISION="tf32x3", num_warps=4,
     )
     return dx
+
+
+def split_sinkhorn_triton(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                          eps: float):
+    """``mhc.hc_split_sinkhorn``'s forward in one kernel (no autograd): mixes fp32 [..., (2+hc)·hc] -> pre [..., hc],
+    post [..., hc], comb [..., hc, hc], fp32.  The same formulas; fp32 rounding differs from eager's by a few ulp
+    (exp and the fused operations).  hc a power of two."""
+    lead = mixes.shape[:-1]
+    flat = mixes.reshape(-1, mixes.shape[-1]).float().contiguous()
+    n = flat.shape[0]
+    pre = flat.new_empty(*lead, hc)
+    post = flat.new_empty(*lead, hc)
+    comb = flat.new_empty(*lead, hc, hc)
+    block_r = 32
+    _split_sinkhorn_kernel[(max(1, triton.cdiv(n, block_r)),)](
+        flat, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, n, eps, HC=hc, ITERS=iters,
+        BLOCK_R=block_r, num_warps=1,
+    )
+    return pre, post, comb
+
+
+QDQ_MODES = {"fp8": (0, 32), "fp4": (1, 32), "fp4_e4m3_scale": (2, 16)}
+
+
+def qdq_triton(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """quantization.py's ``fp8_qdq_reference`` / ``fp4_qdq_reference`` / ``fp4_e4m3_scale_qdq_reference`` (``fmt``
+    "fp8", "fp4", "fp4_e4m3_scale") of x [..., n] in one kernel, no autograd: a fresh tensor, bit-identical to the
+    reference (eager runs 14-25 kernels each)."""
+    mode, block = QDQ_MODES[fmt]
+    if x.shape[-1] % block:
+        raise ValueError(f"quantization block {block} does not divide the last dimension {x.shape[-1]}")
+    flat = x.contiguous()
+    out = torch.empty_like(flat)
+    n_blocks = flat.numel() // block
+    rows = 64
+    _qdq_kernel[(max(1, triton.cdiv(n_blocks, rows)),)](flat, out, n_blocks, MODE=mode, BLOCK=block, R=rows,
+                                                       num_warps=4)
+    return out

@@ -12,6 +12,7 @@ from torch import nn
 from .kernels_triton import (
     cross_entropy_grad_hi_lo_triton,
     cross_entropy_rows_triton,
+    inference_kernel_usable,
     rms_norm_triton,
     triton_usable,
 )
@@ -23,7 +24,8 @@ except ImportError:
 
 
 class RMSNorm(nn.Module):
-    """``torch_fp32`` (default): upcast, x·rsqrt(mean(x²)+eps)·w in fp32, one rounding to the input dtype.
+    """``torch_fp32`` (default): upcast, x·rsqrt(mean(x²)+eps)·w in fp32, one rounding to the input dtype (on CUDA
+    without autograd, e.g. a decode step, as the ``triton`` kernel: one launch instead of nine).
     ``triton``: the same in one Triton kernel each way (CUDA; fp32 sums in another order).
     ``torch``: ``F.rms_norm`` in the input dtype (faster, rounds differently)."""
 
@@ -35,7 +37,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., dim] -> [..., dim]
-        if self.backend == "triton":
+        if self.backend == "triton" or (self.backend == "torch_fp32" and inference_kernel_usable(x, self.weight)):
             return rms_norm_triton(x, self.weight, self.eps)
         if self.backend == "torch":
             return nn.functional.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)

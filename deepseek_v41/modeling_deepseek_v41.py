@@ -23,9 +23,9 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .attention import Attention, CSA2State
+from .attention import Attention, CSA2State, check_attention_memory
 from .backends import check_available
-from .cache_deepseek_v41 import DeepseekV41Cache
+from .cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
 from .configuration_deepseek_v41 import DeepseekV41Config
 from .dspark import build_stages, dspark_stage_count
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
@@ -36,6 +36,9 @@ from .moe import MoE, RoutedExperts, Router
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # a label that counts for nothing (padding, prompt tokens)
+# prepare_inputs_for_generation marks generate's decode steps with this keyword: their token and mask come from
+# generate itself, so forward leaves out the value checks (and their host sync)
+GENERATE_DECODE_STEP = "_generate_decode_step"
 
 # What an exported folder's config.json maps the Auto classes to (the flat remote-code files). The causal LM is also
 # the image-text-to-text model (it embeds images itself), as the package registers it locally.
@@ -167,6 +170,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         # A cast to bf16 / fp16 (model.to(dtype), .half(), .bfloat16(), also through a wrapper such as PEFT's, whose
         # cast reaches this model here) leaves the fp32 islands fp32, as loading with dtype= does: they only follow
         # the cast's device.  An empty probe tells a cast from other tensor functions (moves, to_empty, ...).
+        self._decode_graph_epoch = getattr(self, "_decode_graph_epoch", 0) + 1  # captured decode graphs are stale
         if fn(torch.empty(0)).dtype not in (torch.bfloat16, torch.float16):
             return super()._apply(fn, recurse)
         islands = {id(t) for t in fp32_island_tensors(self)}
@@ -388,16 +392,27 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 "attends to its sliding window and top-k compressed entries); call with output_attentions=False"
             )
         cache = past_key_values if cache is None else cache  # transformers >= 5.2x calls it `cache`
-        validate_inputs(self, input_ids, attention_mask, position_ids, use_cache, cache, inputs_embeds, kwargs)
+        from_generate = kwargs.pop(GENERATE_DECODE_STEP, False)
+        validate_inputs(self, input_ids, attention_mask, position_ids, use_cache, cache, inputs_embeds, kwargs,
+                        check_values=not from_generate)
         input_ids = input_ids.to(self.embed.weight.device)
         targets = self.dspark_targets(output_dspark_hidden)
         if cache is not None and cache.get_seq_length() > 0:
             if pixel_values is not None or (vision_token_types is not None and (vision_token_types >= 0).any()):
                 raise ValueError("images go in the prompt (the first forward of a cache); decode steps are text")
-            hidden, dspark_hidden = self.decode(input_ids, cache, targets)
-            return with_cache(DeepseekV41ModelOutput, cache, last_hidden_state=hidden, dspark_hidden=dspark_hidden)
+            cache.check_room(input_ids.shape[1])
+            if targets:  # the DSpark stages' input: eager steps that also collect the target layers' stream means
+                hidden, dspark_hidden = self.decode(input_ids, cache, targets)
+                return with_cache(DeepseekV41ModelOutput, cache, last_hidden_state=hidden, dspark_hidden=dspark_hidden)
+            hidden, logits = self._decode_columns(input_ids, cache, not output_hidden_states)
+            if logits is None:
+                return with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden)
+            return with_cache(DeepseekV41DecodeOutput, cache, last_hidden_state=hidden, logits=logits)
         if use_cache and cache is None:
             cache = DeepseekV41Cache(self.config)
+        if cache is not None:
+            cache.begin_prefill(*input_ids.shape)
+        check_attention_memory(self, input_ids.shape[0], input_ids.shape[1])
         lengths, shift = real_lengths(attention_mask, input_ids)
         if shift is not None:  # left padding: rows run left-aligned (CSA2 groups, Engram n-grams start at token 0)
             if engram_hash_ids is not None:
@@ -459,14 +474,31 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return tuple(self.config.text_config.dspark_target_layer_ids)
 
     def decode(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, targets=()):
-        """input_ids [b, n] text tokens after the cached ones -> (hidden [b, n, dim], DSpark input [b, n, ·] or
-        None), one column at a time."""
-        steps = [self._decode_step(input_ids[:, j : j + 1], cache, targets) for j in range(input_ids.shape[1])]
-        dspark = torch.cat([m for _, m in steps], 1) if targets else None
-        return torch.cat([h for h, _ in steps], 1), dspark
+        """input_ids [b, n] text tokens after the cached ones -> (hidden [b, n, dim], the DSpark input [b, n, ·] of
+        ``targets`` or None), one column at a time."""
+        hidden, means = [], []
+        for j in range(input_ids.shape[1]):
+            step, _ = self._decode_body(input_ids[:, j : j + 1], cache, means=means if targets else None)
+            cache.columns += 1
+            hidden.append(step)
+        return torch.cat(hidden, 1), (torch.cat(means, 1) if targets else None)
 
-    def _decode_step(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, targets=()):
-        # input_ids [b, 1]: row i's token at position cache.lengths[i] -> (hidden [b, 1, dim], DSpark input or None)
+    def _decode_columns(self, input_ids, cache, may_replay: bool):
+        # -> (hidden [b, n, dim], logits or None): the backbone has no head, and decodes eagerly
+        return self.decode(input_ids, cache)[0], None
+
+    def _decode_step(self, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
+        # input_ids [b, 1]: row i's token at position cache.lengths[i] -> hidden [b, 1, dim]
+        hidden, _ = self._decode_body(input_ids, cache)
+        cache.columns += 1
+        return hidden
+
+    def _decode_body(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, head: bool = False, means=None):
+        # The device work of one decode step, which a CUDA graph captures (decode_graph.py): the blocks, the final
+        # norm, the head when asked (-> (hidden [b, 1, dim], fp32 logits [b, 1, vocab] or None)), and last the rows'
+        # advance (their counts and Engram context; the host's column count is the caller's).  With a static cache
+        # every shape is fixed and nothing is read back to the host.  means (a list, eager only): gets the DSpark
+        # targets' stream means concatenated [b, 1, targets·dim]
         hashes = {}
         if cache.engram_ids is not None:  # each Engram layer's n-grams over the cached look-back context
             context, dead = cache.engram_context(input_ids)
@@ -479,12 +511,17 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre = torch.zeros(b, 1, self.hc, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1.0
         state = CSA2State(cache, positions=cache.lengths)
-        means = []
+        targets = self.config.text_config.dspark_target_layer_ids if means is not None else ()
+        collected = []
         for layer in self.layers:
             x, pre = layer(x, pre, state, input_ids=input_ids, engram_hash_ids=hashes.get(layer.layer),
-                           stream_means=means if layer.layer in targets else None)
-        cache.advance(input_ids)
-        return self.norm(self.hc_collapse(x, pre)), (torch.cat(means, -1) if targets else None)
+                           stream_means=collected if layer.layer in targets else None)
+        hidden = self.norm(self.hc_collapse(x, pre))
+        logits = self.head_logits(hidden) if head else None
+        cache.advance_rows(input_ids)
+        if means is not None:
+            means.append(torch.cat(collected, -1))
+        return hidden, logits
 
     def embed_images(self, h, input_ids, pixel_values, image_grid_hws, vision_token_types):
         if not self.has_vision:
@@ -510,6 +547,14 @@ class DeepseekV41ModelOutput(BaseModelOutputWithPast):
     """``BaseModelOutputWithPast`` plus ``dspark_hidden`` [b, s, targets·dim] (``output_dspark_hidden=True``)."""
 
     dspark_hidden: torch.Tensor | None = None
+
+
+@dataclass
+class DeepseekV41DecodeOutput(BaseModelOutputWithPast):
+    """The backbone's output for a causal LM's decode step replayed as a CUDA graph, which runs the head inside the
+    graph: ``BaseModelOutputWithPast`` plus those fp32 logits [b, n, vocab]."""
+
+    logits: torch.FloatTensor | None = None
 
 
 @dataclass
@@ -545,7 +590,9 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         backbone = super().forward(input_ids, attention_mask=attention_mask, **kwargs)
         hidden = backbone.last_hidden_state.to(self.head.weight.device)
         loss = None
-        if labels is None:
+        if labels is None and getattr(backbone, "logits", None) is not None:  # a replayed decode graph's head
+            logits = backbone.logits[:, -logits_to_keep:] if logits_to_keep else backbone.logits
+        elif labels is None:
             logits = self.head_logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         else:
             mask = None if attention_mask is None else attention_mask.to(hidden.device)
@@ -563,7 +610,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         output = with_cache(  # logits fp32 [b, s, vocab]
             DeepseekV41CausalLMOutput, returned_cache(backbone), loss=loss, logits=logits,
             hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state,
-            dspark_hidden=backbone.dspark_hidden,
+            dspark_hidden=getattr(backbone, "dspark_hidden", None),
         )
         return output.to_tuple() if return_dict is False else output
 
@@ -575,9 +622,80 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         return self.head(hidden.float()).float()
 
 
+    # How a static cache's decode step runs on CUDA (decode_graph.py): "cuda_graph" (captured once, replayed),
+    # "compile" (torch.compile's fused kernels, captured the same way) or "off" (eager)
+    decode_graph = "cuda_graph"
+    static_cache_pool_size = 4  # static caches (and their graphs) generate keeps for reuse, the most recent ones
+    static_cache_granularity = 256  # generate's static caches hold a multiple of this many positions
+
+    def _decode_columns(self, input_ids, cache, may_replay: bool):
+        # -> (hidden [b, n, dim], fp32 logits [b, n, vocab] or None): through the static cache's CUDA graph when it
+        # can run as one (logits from the head inside it), else eagerly (the head applied by forward)
+        from .decode_graph import graph_decode_step
+
+        if not (may_replay and cache.is_static and input_ids.is_cuda):
+            return super()._decode_columns(input_ids, cache, may_replay)
+        hidden, logits = [], []
+        for j in range(input_ids.shape[1]):
+            column = input_ids[:, j : j + 1]
+            out = graph_decode_step(self, cache, column)
+            if out is None:
+                out = self._decode_body(column, cache, head=True)
+            cache.columns += 1
+            hidden.append(out[0])
+            logits.append(out[1])
+        return torch.cat(hidden, 1), torch.cat(logits, 1)
+
+    def static_cache(self, batch_size: int, max_cache_len: int) -> DeepseekV41StaticCache:
+        """A ``DeepseekV41StaticCache`` for ``batch_size`` rows and at least ``max_cache_len`` positions (rounded up
+        to a multiple of ``static_cache_granularity``), reset: the one this model last handed out for that shape
+        when it still holds it (its buffers and its captured decode graph are reused), else a new one.  ``generate``
+        takes its caches from here; the model keeps the ``static_cache_pool_size`` most recent ones
+        (``release_static_caches`` frees them)."""
+        step = self.static_cache_granularity
+        length = min(-(-max_cache_len // step) * step, self.max_positions)
+        pool = self.__dict__.setdefault("_static_caches", {})
+        key = (batch_size, length)
+        cache = pool.pop(key, None)
+        if cache is None:
+            cache = DeepseekV41StaticCache(self.config, length)
+        cache.reset()
+        pool[key] = cache  # the most recent last
+        while len(pool) > self.static_cache_pool_size:
+            pool.pop(next(iter(pool)))
+        return cache
+
+    def release_static_caches(self) -> None:
+        """Forget the static caches (and their CUDA graphs) kept for ``generate``; their memory is freed once
+        nothing else holds them."""
+        self.__dict__.pop("_static_caches", None)
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # generate must not build a DynamicCache: the first forward returns a DeepseekV41Cache
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length, *args, **kwargs):
+        """generate's cache: a ``DeepseekV41StaticCache`` from ``static_cache`` with ``cache_implementation="static"``
+        or, when none is named, on CUDA; else none here (the prefill returns a growing ``DeepseekV41Cache``).  A
+        cache passed in is used as it is."""
+        name = cache_field(CausalLMOutputWithPast)
+        implementation = generation_config.cache_implementation
+        if model_kwargs.get(name) is not None or model_kwargs.get("past_key_values") is not None:
+            if implementation is not None:
+                raise ValueError("pass either cache_implementation or a cache, not both")
+            return
+        if generation_config.use_cache is False:
+            return
+        if implementation not in (None, "static", "dynamic"):
+            raise ValueError(
+                f"cache_implementation={implementation!r} is not supported by DeepSeek-V4.1: use 'static' (a "
+                "preallocated DeepseekV41StaticCache; the default on CUDA) or 'dynamic' (a growing DeepseekV41Cache)"
+            )
+        if implementation == "static" or (implementation is None and self.device.type == "cuda"):
+            rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
+            length = max(max_cache_length, generation_config.max_cache_len or 0)
+            model_kwargs[name] = self.static_cache(rows, length)
 
     def prepare_inputs_for_generation(
         self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None, cache=None, use_cache=None,
@@ -597,6 +715,8 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             inputs.update(pixel_values=pixel_values, image_grid_hws=image_grid_hws, vision_token_types=vision_token_types)
         for key in ("next_sequence_length", "is_first_iteration", "cache_position", "tokenizer"):
             kwargs.pop(key, None)  # generate's own bookkeeping: the cache tells which columns are new
+        if seen:
+            inputs[GENERATE_DECODE_STEP] = True
         inputs.update(kwargs)
         return {key: value for key, value in inputs.items() if value is not None}
 
@@ -635,8 +755,13 @@ def check_targets(labels: torch.Tensor, vocab: int) -> None:
         )
 
 
-def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, cache, inputs_embeds, extra):
-    """Reject what this model cannot compute correctly, with the fix in the message."""
+def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, cache, inputs_embeds, extra,
+                    check_values: bool = True):
+    """Reject what this model cannot compute correctly, with the fix in the message.
+
+    The checks of tensor values (token ids in range, a 0/1 mask without holes, positions) share one host read.
+    ``check_values=False`` leaves them out: generate's decode steps, whose new token comes from the model's own
+    logits and whose mask generate extends with ones (the prompt's were checked at its prefill)."""
     if cache is not None and not isinstance(cache, DeepseekV41Cache):
         raise TypeError(
             f"past_key_values must be the DeepseekV41Cache a use_cache=True forward returns, got {type(cache).__name__}"
@@ -665,6 +790,9 @@ def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, c
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"input_ids must be an integer tensor (int64), got {input_ids.dtype}")
     b, s = input_ids.shape
+    if b == 0 or s == 0:
+        raise ValueError(f"input_ids have shape {(b, s)}: an empty batch or a length-0 sequence; give at least "
+                         "one row with at least one token")
     past = 0 if cache is None else cache.get_seq_length()
     if past and cache.batch_size != b:
         raise ValueError(f"the cache holds {cache.batch_size} rows but input_ids has {b}")
@@ -675,67 +803,60 @@ def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, c
             f"training on sequences of {s} tokens (> {model.training_max_positions}) is out of scope "
             "(million-token training needs context parallelism); run inference under torch.no_grad()"
         )
-    mask = None
-    if attention_mask is not None:
-        if attention_mask.shape != (b, past + s):
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, past + s)}"
-                + (f" (the {past} cached columns and the {s} new ones)" if past else "")
-            )
-        mask = attention_mask.bool()
-        if past and not mask[:, past:].all():
-            raise ValueError("the new columns of a decode step must all be real tokens (attention_mask 1)")
-        runs = mask & ~torch.nn.functional.pad(mask, (1, 0))[:, :-1]  # where a run of real tokens starts
-        if (runs.sum(1) > 1).any():
-            raise ValueError(
-                "attention_mask has holes (padding between real tokens); pad each row only at its start (left "
-                "padding) or its end (right padding)"
-            )
-        if (use_cache or cache is not None) and not mask.any(1).all():
-            raise ValueError("a row of attention_mask has no real token: every generated row needs a prompt")
-        mask = mask[:, past:]
+    if attention_mask is not None and attention_mask.shape != (b, past + s):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, past + s)}"
+            + (f" (the {past} cached columns and the {s} new ones)" if past else "")
+        )
     if position_ids is not None:
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         if position_ids.shape[-1] != s:
             raise ValueError(f"position_ids have length {position_ids.shape[-1]}, expected {s}")
+    if not check_values:
+        return
+    if attention_mask is not None and attention_mask.dtype != torch.bool and (
+            attention_mask.is_floating_point() or attention_mask.is_complex()):
+        raise ValueError(f"attention_mask must hold 0/1 as bool or integers, got {attention_mask.dtype}; "
+                         "pass attention_mask.long() of a 0/1 mask")
+    # (device flag, error): every flag read back in one host sync, the first raised in this order
+    vocab = model.config.text_config.vocab_size
+    checks = [(((input_ids < 0) | (input_ids >= vocab)).any(), lambda: ValueError(
+        f"input_ids must be token ids in [0, {vocab}) (text_config.vocab_size); got "
+        f"{input_ids[(input_ids < 0) | (input_ids >= vocab)][:5].tolist()}: pad with the pad token id, not a "
+        "negative or out-of-vocabulary id"))]
+    mask = None
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool:
+            bad = (attention_mask != 0) & (attention_mask != 1)
+            checks.append((bad.any(), lambda: ValueError(
+                f"attention_mask must hold only 0 (padding) and 1 (token); got {attention_mask[bad][:5].tolist()}")))
+        mask = attention_mask.bool()
+        if past:
+            checks.append((~mask[:, past:].all(), lambda: ValueError(
+                "the new columns of a decode step must all be real tokens (attention_mask 1)")))
+        runs = mask & ~torch.nn.functional.pad(mask, (1, 0))[:, :-1]  # where a run of real tokens starts
+        checks.append(((runs.sum(1) > 1).any(), lambda: ValueError(
+            "attention_mask has holes (padding between real tokens); pad each row only at its start (left "
+            "padding) or its end (right padding)")))
+        if use_cache or cache is not None:
+            checks.append((~mask.any(1).all(), lambda: ValueError(
+                "a row of attention_mask has no real token: every generated row needs a prompt")))
+        mask = mask[:, past:]
+    if position_ids is not None:
         if past:
             expected = cache.lengths.unsqueeze(1) + torch.arange(s, device=position_ids.device)
         elif mask is not None:
             expected = mask.long().cumsum(1) - 1
         else:
             expected = torch.arange(s, device=position_ids.device)
-        if not ((position_ids == expected) | (False if mask is None else ~mask)).all():
-            raise ValueError(
-                "position_ids must be zero-based and contiguous over each row's real tokens (0, 1, ..., the padding "
-                "excluded, as attention_mask implies); packed sequences with restarting positions are not supported"
-            )
-    check_input_values(input_ids, attention_mask, model.config.text_config.vocab_size)
-
-
-def check_input_values(input_ids: torch.Tensor, attention_mask, vocab: int) -> None:
-    """Raise ``ValueError`` unless input_ids [b, s] is non-empty with every id in [0, vocab) and the mask is 0/1.
-
-    Both value checks share one host sync (like ``check_targets``): an out-of-range id would otherwise be an
-    IndexError on CPU or a device-side assert on CUDA, and a mask value such as 2 or 0.5 silently a 1."""
-    b, s = input_ids.shape
-    if b == 0 or s == 0:
-        raise ValueError(f"input_ids have shape {(b, s)}: an empty batch or a length-0 sequence; give at least "
-                         "one row with at least one token")
-    flags = [((input_ids < 0) | (input_ids >= vocab)).any()]
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        if attention_mask.is_floating_point() or attention_mask.is_complex():
-            raise ValueError(f"attention_mask must hold 0/1 as bool or integers, got {attention_mask.dtype}; "
-                             "pass attention_mask.long() of a 0/1 mask")
-        flags.append(((attention_mask != 0) & (attention_mask != 1)).any())
-    bad_ids, *bad_mask = torch.stack(flags).tolist()
-    if bad_ids:
-        bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
-        raise ValueError(f"input_ids must be token ids in [0, {vocab}) (text_config.vocab_size); got "
-                         f"{bad[:5].tolist()}: pad with the pad token id, not a negative or out-of-vocabulary id")
-    if bad_mask and bad_mask[0]:
-        bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
-        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token); got {bad[:5].tolist()}")
+        checks.append((~((position_ids == expected) | (False if mask is None else ~mask)).all(), lambda: ValueError(
+            "position_ids must be zero-based and contiguous over each row's real tokens (0, 1, ..., the padding "
+            "excluded, as attention_mask implies); packed sequences with restarting positions are not supported")))
+    failed = torch.stack([flag.to(input_ids.device) for flag, _ in checks]).tolist()
+    for bad, (_, error) in zip(failed, checks):
+        if bad:
+            raise error()
 
 
 def real_lengths(attention_mask, input_ids):
@@ -836,7 +957,10 @@ def resolve_device_map(model, device_map, dtype, max_memory=None) -> dict:
 
 def plan_device_map(model, plan: str, dtype, max_memory=None) -> dict:
     # accelerate's planner over the meta-device model, whole blocks per device, fp32 islands counted as fp32
-    from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
+    try:  # (in a try block, transformers' remote-code import check does not demand accelerate of every export)
+        from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
+    except ImportError as err:
+        raise ImportError(f'device_map="{plan}" plans with the accelerate package: pip install accelerate') from err
 
     no_split = list(model._no_split_modules)
     special = {name: torch.float32 for name, t in model.named_parameters() if t.dtype == torch.float32}

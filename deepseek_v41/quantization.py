@@ -10,7 +10,8 @@ not as ``x + (q - x).detach()``, because that sum re-rounds in bf16 and would no
 | compressed KV       | FP4    | 16               | E4M3 value                 |
 | index keys/queries  | FP4    | 32               | UE8M0 power of two         |
 
-Backend ``quant``: ``torch`` (the references below) or ``tile_kernels`` (tile-kernels' fused
+Backend ``quant``: ``torch`` (the references below; on CUDA without autograd, e.g. a decode step, the same in one
+Triton kernel each, ``kernels_triton.qdq_triton``, bit for bit) or ``tile_kernels`` (tile-kernels' fused
 ``per_token_cast_and_cast_back`` for the two UE8M0 boundaries, CUDA, bf16 inputs whose last dim is a multiple
 of 64; bit-identical to the references; the E4M3-scale boundary keeps the reference, see ``quant_ops``).
 """
@@ -76,18 +77,37 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+def _one_kernel(x: torch.Tensor) -> bool:
+    # on CUDA without autograd (inference, a decode step): the reference in one Triton kernel, bit for bit
+    from .kernels_triton import inference_kernel_usable
+
+    return inference_kernel_usable(x)
+
+
 def fp8_qdq(x: torch.Tensor) -> torch.Tensor:
     """Window KV boundary: FP8 e4m3, blocks of 32, UE8M0 scales; identity backward."""
+    if _one_kernel(x):
+        from .kernels_triton import qdq_triton
+
+        return qdq_triton(x, "fp8")
     return _StraightThrough.apply(x, fp8_qdq_reference)
 
 
 def fp4_qdq(x: torch.Tensor) -> torch.Tensor:
     """Index query/key boundary: FP4 e2m1, blocks of 32, UE8M0 scales (MXFP4-like); identity backward."""
+    if _one_kernel(x):
+        from .kernels_triton import qdq_triton
+
+        return qdq_triton(x, "fp4")
     return _StraightThrough.apply(x, fp4_qdq_reference)
 
 
 def fp4_e4m3_scale_qdq(x: torch.Tensor) -> torch.Tensor:
     """Compressed KV boundary: FP4 e2m1, groups of 16, E4M3 value scales (NVFP4-like); identity backward."""
+    if _one_kernel(x):
+        from .kernels_triton import qdq_triton
+
+        return qdq_triton(x, "fp4_e4m3_scale")
     return _StraightThrough.apply(x, fp4_e4m3_scale_qdq_reference)
 
 

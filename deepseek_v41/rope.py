@@ -45,7 +45,7 @@ def _rotate(x: torch.Tensor, cos_sin: torch.Tensor, inplace: bool = False) -> to
     # 4096-token training step (in place on q, out of place on the attention output and the gradients) take
     # 1.9 ms together.
     rd = 2 * cos_sin.shape[-2]
-    if triton_usable(x) and rope_kernel_fits(x, rd):
+    if triton_usable(x) and rope_kernel_fits(x, rd) and not torch.compiler.is_compiling():
         return rope_rotate(x, cos_sin, inplace)
     cs = cos_sin.view([1, cos_sin.shape[0]] + [1] * (x.dim() - 3) + list(cos_sin.shape[-2:]))
     pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
@@ -110,4 +110,8 @@ def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplac
         raise ValueError("apply_rope(inplace=True) needs a contiguous x")
     if head_dim is not None and x.shape[-1] % head_dim:
         raise ValueError(f"apply_rope: the last dim ({x.shape[-1]}) is not a multiple of head_dim ({head_dim})")
-    return _RotateTail.apply(x, _conjugate(cos_sin) if inverse else cos_sin, inplace, head_dim, grad_inplace)
+    cos_sin = _conjugate(cos_sin) if inverse else cos_sin
+    if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: the rotation itself (what torch.compile traces)
+        out = _rotate(_split_heads(x, head_dim), cos_sin, inplace)
+        return x if inplace else out.view(x.shape)
+    return _RotateTail.apply(x, cos_sin, inplace, head_dim, grad_inplace)

@@ -4,22 +4,31 @@
 # Debian). Sourced by the two README scripts: afterwards `python` is the environment's interpreter.
 #   DS41_PYTHON   the interpreter that creates the environment (default: python3)
 #   DS41_VENV     where the environment lives (default: <repo>/.venv)
+#   DS41_EXTRAS   the package's extras to install, comma-separated (default: dev, what the tests need;
+#                 scripts/run_tiny_finetune.sh asks for none: the demo needs only the package's dependencies).
+#                 Extras installed before stay: asking for fewer reuses the environment as it is.
 # A torch already installed in that interpreter (a GPU machine's CUDA build) is reused through
-# --system-site-packages; otherwise the CPU build torch==2.13.0 is installed into the environment.
+# --system-site-packages; otherwise torch==2.13.0 is installed into the environment from the package index.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 base_python="${DS41_PYTHON:-python3}"
 venv="${DS41_VENV:-$repo/.venv}"
-extras="${DS41_EXTRAS:-dev}"
+extras="${DS41_EXTRAS-dev}"
 
 if ! command -v "$base_python" >/dev/null 2>&1; then
   echo "setup: '$base_python' not found; install Python 3.10+ or set DS41_PYTHON to an interpreter" >&2
   exit 1
 fi
 stamp="$venv/.deepseek_v41_installed"
-# reinstall when pyproject.toml changed since the last install into this environment
-want="$(cat "$repo/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
-if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+# The stamp holds pyproject.toml's hash and the extras installed: reinstall when pyproject.toml changed or an
+# extra is missing, with the extras installed before kept (so the two README scripts never undo each other).
+hash="$(sha256sum < "$repo/pyproject.toml" | cut -c1-16)"
+old_hash="" old_extras=""
+if [ -f "$stamp" ]; then read -r old_hash old_extras < "$stamp" || true; fi
+_ds41_sorted() { printf '%s\n' ${1//,/ } | sort -u | paste -sd, -; }
+old_extras="$(_ds41_sorted "${old_extras/#-/}")"
+union="$(_ds41_sorted "$extras,$old_extras")"
+if [ -x "$venv/bin/python" ] && [ "$old_hash" = "$hash" ] && [ "$union" = "$old_extras" ]; then
   echo "setup: reusing $venv"
 else
   if [ ! -x "$venv/bin/python" ]; then
@@ -37,12 +46,12 @@ else
   fi
   py="$venv/bin/python"
   if ! "$py" -c "import torch" >/dev/null 2>&1; then
-    echo "setup: installing torch 2.13.0 (CPU build) into $venv ..."
+    echo "setup: installing torch 2.13.0 into $venv ..."
     "$py" -m pip install -q "torch==2.13.0"
   fi
-  echo "setup: installing deepseek_v41[$extras] into $venv (about 2 minutes on a fresh machine) ..."
-  "$py" -m pip install -q -e "$repo[$extras]"
-  echo "$want" > "$stamp"
+  echo "setup: installing deepseek_v41${union:+[$union]} into $venv (about 2 minutes on a fresh machine) ..."
+  "$py" -m pip install -q -e "$repo${union:+[$union]}"
+  echo "$hash ${union:--}" > "$stamp"
   echo "setup: done"
 fi
 export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"

@@ -183,7 +183,7 @@ def add_nested_parameters(root, spec: dict, device="cpu", factory=torch.zeros) -
 # this order pairs them run + export + EP-shard against resume + parallel + flagship: 670 s on the 2-core machine;
 # resume first (its 4-rank launches and the EP-shard file's on one worker) measured 803 s.
 LONGEST_FILES = ("test_training_run.py", "test_training_resume.py", "test_export.py", "test_training_ep_shard.py",
-                 "test_training_parallel.py", "test_training_flagship.py")
+                 "test_training_parallel.py", "test_training_flagship.py", "test_install.py")
 
 
 def pytest_collection_modifyitems(config, items):

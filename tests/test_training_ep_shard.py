@@ -23,7 +23,8 @@ from test_training_resume import FP32, full_state
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
 TINY = ["--step_scheduler.val_every_steps=0", "--step_scheduler.global_batch_size=4", "--prewarm=false",
-        "--fsdp.activation_checkpointing=false", "--step_scheduler.max_steps=3"]
+        "--fsdp.activation_checkpointing=false", "--step_scheduler.max_steps=3",
+        "--checkpoint.export_dir=null"]  # the recipe's export (${output_dir}/model) is tested in test_training_run.py
 
 
 def launch(ckpt, out, world, ep, *overrides):

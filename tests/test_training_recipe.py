@@ -141,3 +141,85 @@ def test_finetune_takes_the_recipe_positionally_or_as_config():
         finetune.split_config(rest)
     with pytest.raises(RecipeError, match="--config needs a recipe path"):
         finetune.split_config(["--config"])
+
+
+def test_export_dir_may_be_a_run_subfolder_but_never_overlaps_what_the_run_writes_or_reads(tmp_path):
+    """The export replaces its whole folder: a subfolder of output_dir is fine (the tiny recipe's
+    ``${output_dir}/model``), output_dir itself or a folder holding it is not, and neither is any overlap
+    with the checkpoints, the base checkpoint, the step resumed from or the wandb folder."""
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+
+    def recipe(export, **overrides):
+        return load_recipe(CONFIGS / "tiny_cpu.yaml", {
+            "output_dir": str(run), "model.config.pretrained_model_name_or_path": str(ckpt),
+            **({} if export is None else {"checkpoint.export_dir": str(export)}), **overrides})
+
+    assert recipe(None)["checkpoint"]["export_dir"] == str(run / "model")  # the recipe's default
+    for export in (run / "model", run / "exports" / "final", tmp_path / "export"):
+        assert recipe(export)["checkpoint"]["export_dir"] == str(export)
+    refused = [
+        (run, {}, "is or holds output_dir"),
+        (tmp_path, {}, "is or holds output_dir"),
+        (run / "checkpoints", {}, "overlaps checkpoint.dir"),
+        (run / "checkpoints" / "x", {}, "overlaps checkpoint.dir"),
+        (run / "model", {"checkpoint.dir": str(run / "model" / "ckpts")}, "overlaps checkpoint.dir"),
+        (tmp_path / "export", {"checkpoint.dir": str(tmp_path)}, "overlaps checkpoint.dir"),
+        (ckpt, {}, "overlaps model.config.pretrained_model_name_or_path"),
+        (ckpt / "sub", {}, "overlaps model.config.pretrained_model_name_or_path"),
+        (tmp_path / "old", {"checkpoint.resume_from": str(tmp_path / "old" / "step_00000002")},
+         "overlaps checkpoint.resume_from"),
+        (run / "model", {"wandb.dir": str(run / "model" / "wandb")}, "overlaps wandb.dir"),
+    ]
+    for export, overrides, message in refused:
+        with pytest.raises(RecipeError, match=f"checkpoint.export_dir=.* {message}"):
+            recipe(export, **overrides)
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "notes.txt").write_text("mine")  # not an export: refused before the run, not after it
+    with pytest.raises(RecipeError, match="not a deepseek_v41 export"):
+        recipe(None)
+
+
+def test_recipe_references_output_dir_and_its_own_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "r.yaml").write_text('output_dir: "${OUT_ROOT}/run"\n'
+                                   "model: {config: {pretrained_model_name_or_path: /ckpt}}\n"
+                                   'dataset: {path_or_dataset: "${recipe_dir}/../data"}\n'
+                                   'checkpoint: {dir: "${output_dir}/ckpts"}\n')
+    monkeypatch.setenv("OUT_ROOT", str(tmp_path / "out"))
+    monkeypatch.setenv("output_dir", "/not/this")  # the recipe's own value wins over an environment variable
+    recipe = load_recipe(folder / "r.yaml", {"output_dir": "${OUT_ROOT}/other"})
+    assert recipe["output_dir"] == str(tmp_path / "out" / "other")
+    assert recipe["checkpoint"]["dir"] == str(tmp_path / "out" / "other" / "ckpts")
+    assert recipe["dataset"]["path_or_dataset"] == str(tmp_path / "data")  # found from any working directory
+    with pytest.raises(RecipeError, match="output_dir cannot reference itself"):
+        load_recipe(folder / "r.yaml", {"output_dir": "${output_dir}/x"})
+    with pytest.raises(RecipeError, match="not read from a file"):
+        load_recipe(None, {"model.config.pretrained_model_name_or_path": "/c", "dataset.path_or_dataset": "${recipe_dir}/d"})
+    tiny = load_recipe(CONFIGS / "tiny_cpu.yaml")
+    assert Path(tiny["dataset"]["path_or_dataset"]) == CONFIGS.parent / "data" / "hellaswag_sample"
+
+
+def test_launcher_checks_once_and_starts_no_worker_on_an_error(tmp_path, capsys, monkeypatch, tiny_checkpoint):
+    """The launcher's checks in-process (the subprocess runs are in test_training_run.py): a world-size error,
+    a missing checkpoint, a bad data row each come back as one message and exit status 2, before any worker."""
+    from deepseek_v41.training import launch
+
+    started = []
+    monkeypatch.setattr(launch, "launch_workers", lambda *args: started.append(args) or 0)
+    data = tmp_path / "data"
+    data.mkdir()
+    good = (CONFIGS.parent / "data" / "hellaswag_sample" / "train.jsonl").read_text().splitlines()
+    (data / "train.jsonl").write_text("\n".join([good[0], '{"ctx": "x", "endings": ["a"], "label": 3}', *good[2:]]))
+    base = {"model.config.pretrained_model_name_or_path": str(tmp_path / "none"),
+            "model.make_tiny_checkpoint_if_missing": False}
+    cases = [({"distributed.ep_size": 3}, "recipe error: world size 2 is not divisible by distributed.ep_size=3"),
+             ({}, "error: base checkpoint: checkpoint folder"),
+             ({"distributed.nproc_per_node": None}, "recipe error: distributed.nproc_per_node is not set"),
+             ({"model.config.pretrained_model_name_or_path": str(tiny_checkpoint), "dataset.path_or_dataset": str(data)},
+              f"error: data: {data / 'train.jsonl'}:2: label = 3; expected an integer index into the 1 endings")]
+    for overrides, message in cases:
+        assert launch.main(load_recipe(CONFIGS / "tiny_cpu.yaml", {**base, **overrides}), "finetune.py", []) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and err.count("\n") == 1, err
+    assert not started

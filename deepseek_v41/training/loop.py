@@ -6,6 +6,10 @@ so the FSDP mean over ``W`` ranks gives exactly the global-batch gradient.  Grad
 ranks instead (EP experts, filled by the all-to-all backward and, with ``ep_shard > 1``, summed by their
 reduce-scatter over ``ep_shard``; Engram rows, filled by all-to-all backward; replicated ``attn_sink`` after
 its all-reduce) are divided by ``W`` exactly once, before clipping.
+
+Validation scores every ending of each validation example (``score_choices``): the validation loss is the CE of
+the gold endings (summed over their tokens, divided by their count, like the training loss), the accuracy the
+share of examples whose gold ending has the highest mean log-likelihood per token (HellaSwag multiple choice).
 """
 
 import gc
@@ -21,17 +25,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from deepseek_v41.modeling_deepseek_v41 import causal_lm_targets
 from deepseek_v41.training import data as data_lib
 from deepseek_v41.training.checkpointing import Checkpointer, resolve_resume
 from deepseek_v41.training.engram_owner import apply_row_owner_engram, engram_modules
-from deepseek_v41.training.expert_parallel import apply_expert_parallel, expert_global_mesh, routed_expert_modules
+from deepseek_v41.training.expert_parallel import (
+    apply_expert_parallel,
+    expert_global_mesh,
+    routed_expert_modules,
+)
 from deepseek_v41.training.fsdp import parallelize
 from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, lr_at
 from deepseek_v41.training.plan import check_layout
-from deepseek_v41.training.recipe import validate_world
+from deepseek_v41.training.recipe import RecipeError, validate_world
 from deepseek_v41.training.sharded_load import load_sharded_checkpoint
 
 
@@ -105,7 +115,7 @@ class Trainer:
         rows = data_lib.read_hellaswag(ds["path_or_dataset"], ds["split"], ds["num_samples_limit"])
         self.train_set = data_lib.HellaSwagSFT(rows, self.tokenizer, ds["max_length"])
         vrows = data_lib.read_hellaswag(vs["path_or_dataset"], vs["split"], vs["num_samples_limit"])
-        self.val_set = data_lib.HellaSwagSFT(vrows, self.tokenizer, ds["max_length"])
+        self.val_set = data_lib.HellaSwagChoices(vrows, self.tokenizer, ds["max_length"])
         self.sampler = data_lib.UpdateSampler(
             len(self.train_set), steps["global_batch_size"], steps["local_batch_size"], self.rank, self.world,
             r["seed"], ds["shuffle"],
@@ -120,6 +130,14 @@ class Trainer:
     def _batch(self, dataset, indices):
         batch = data_lib.collate([dataset[i] for i in indices], self.pad_id,
                                  self.recipe["dataset"]["pad_seq_len_divisible"], self.hasher)
+        return self._to_device(batch)
+
+    def _choices_batch(self, indices):
+        batch, groups = data_lib.collate_choices([self.val_set[i] for i in indices], self.pad_id,
+                                                 self.recipe["dataset"]["pad_seq_len_divisible"], self.hasher)
+        return self._to_device(batch), groups
+
+    def _to_device(self, batch):
         out = {k: v.to(self.device) for k, v in batch.items() if k != "engram_hash_ids"}
         if "engram_hash_ids" in batch:
             out["engram_hash_ids"] = {k: v.to(self.device) for k, v in batch["engram_hash_ids"].items()}
@@ -164,14 +182,20 @@ class Trainer:
         average_summed_gradients(self.replicated, list(self.expert_params) + list(self.table_params), self.world)
 
     @torch.no_grad()
-    def validate(self) -> float:
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
+    def validate(self) -> dict:
+        """-> {"val_loss", "val_accuracy"} over every rank's validation examples (see ``score_choices``)."""
+        stats = torch.zeros(4, dtype=torch.float64, device=self.device)
         for indices in self.val_batches:
-            summed, n = self._forward(self._batch(self.val_set, indices))
-            total += summed.double()
-            count += n.double()
-        return float(self._all_sum(total) / self._all_sum(count).clamp(min=1))
+            stats += score_choices(self.model, *self._choices_batch(indices))
+        return validation_record(self._all_sum(stats))
+
+    def _validate_and_record(self, step, metrics, records):
+        val = {"step": step, **self.validate()}
+        records.append(val)
+        self._emit(metrics, val)
+        when = "before the first update" if step == 0 else f"step {step}"
+        self._print(f"[finetune] {when}: validation loss {val['val_loss']:.4f}, accuracy {val['val_accuracy']:.3f} "
+                    f"({val['val_correct']} of {val['val_examples']} examples: the gold ending scored best)")
 
     def prewarm(self):
         """Before the first timed update: build the TileLang kernels for every [batch, seq] shape the data
@@ -185,10 +209,12 @@ class Trainer:
             if tilelang_shapes_for is not None:
                 multiple = self.recipe["dataset"]["pad_seq_len_divisible"]
                 shapes = set()
-                for dataset, batch in ((self.train_set, self.sampler.lbs),
-                                       (self.val_set, self.recipe["validation_dataset"]["local_batch_size"])):
-                    longest = max(len(ids) for ids, _ in dataset.examples)
-                    shapes |= {(batch, s) for s in range(multiple, -(-longest // multiple) * multiple + 1, multiple)}
+                longest = max(len(ids) for ids, _ in self.train_set.examples)
+                shapes |= {(self.sampler.lbs, s) for s in range(multiple, -(-longest // multiple) * multiple + 1,
+                                                                multiple)}
+                for indices in self.val_batches:  # every ending of each example: exactly the shapes it will run
+                    rows = [row for i in indices for row in self.val_set[i][0]]
+                    shapes.add((len(rows), -(-max(len(ids) for ids, _ in rows) // multiple) * multiple))
                 text = self.model.config.text_config
                 specs = [spec for b, s in sorted(shapes) for spec in tilelang_shapes_for(text, b, s)]
                 built = warmup_tilelang_kernels(specs, self.device)
@@ -215,6 +241,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
         start, train_time, train_tokens = time.perf_counter(), 0.0, 0.0
         with _open_metrics(metrics_path, self.first_step) if self.rank == 0 else _NullFile() as metrics:
+            if val_every and r["step_scheduler"]["val_at_start"] and self.first_step == 0:
+                self._validate_and_record(0, metrics, records)
             for update in range(self.first_step, self.max_steps):
                 t0 = time.perf_counter()
                 stats = self.train_step(update)
@@ -229,10 +257,7 @@ class Trainer:
                 if step % log_every == 0 or step == self.max_steps:
                     self._progress(step, record, time.perf_counter() - start)
                 if val_every and (step % val_every == 0 or step == self.max_steps):
-                    val = {"step": step, "val_loss": self.validate()}
-                    records.append(val)
-                    self._emit(metrics, val)
-                    self._print(f"[finetune] step {step}: validation loss {val['val_loss']:.4f}")
+                    self._validate_and_record(step, metrics, records)
                 if save_every and (step % save_every == 0 or step == self.max_steps):
                     self.checkpointer.save(step)
                 if step % 10 == 0:
@@ -303,6 +328,35 @@ def summed_loss(model, batch: dict) -> tuple:
     """-> (CE summed over the batch's supervised tokens, their count); the model's loss is their mean."""
     count = supervised_count(batch)
     return model(**batch).loss * count, count
+
+
+def score_choices(model, batch: dict, groups: list) -> torch.Tensor:
+    """One forward over every ending row of a validation batch (``data.collate_choices``) -> float64 [4]: the
+    gold endings' summed CE, their token count, the examples whose gold ending has the highest mean
+    log-likelihood per token, and the examples.  An ending with no token left (empty) is never chosen."""
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # fp32 [rows, s, vocab]
+    rows, seq = batch["input_ids"].shape
+    targets = causal_lm_targets(batch["labels"], batch["attention_mask"])
+    scored = (targets != data_lib.IGNORE_INDEX).nonzero().squeeze(1)  # the endings' tokens: log-softmax only there
+    token_nll = F.cross_entropy(logits.view(-1, logits.shape[-1])[scored], targets[scored], reduction="none")
+    nll = torch.zeros(rows, dtype=torch.float64, device=logits.device).index_add_(
+        0, scored // seq, token_nll.double())
+    count = (targets.view(rows, seq) != data_lib.IGNORE_INDEX).sum(1)
+    mean_ll = torch.where(count > 0, -nll / count.clamp(min=1), -math.inf)
+    stats = torch.zeros(4, dtype=torch.float64, device=nll.device)
+    for first, endings, label in groups:
+        stats[0] += nll[first + label]
+        stats[1] += count[first + label]
+        stats[2] += int(torch.argmax(mean_ll[first : first + endings]).item() == label)
+        stats[3] += 1
+    return stats
+
+
+def validation_record(stats: torch.Tensor) -> dict:
+    """``score_choices`` sums (over batches and ranks) -> the validation metrics."""
+    loss_sum, tokens, correct, examples = stats.tolist()
+    return {"val_loss": loss_sum / max(tokens, 1), "val_accuracy": correct / max(examples, 1),
+            "val_correct": int(correct), "val_examples": int(examples)}
 
 
 def average_summed_gradients(replicated: list, summed: list, world: int) -> None:
@@ -390,15 +444,20 @@ def run(recipe: dict) -> list:
 
     An exception on one rank must not leave the others waiting forever in a collective: with several
     ranks, the failing one prints its traceback under its rank and exits non-zero at once, and torchrun
-    then stops every other rank.
+    then stops every other rank.  A recipe error (the same on every rank) is printed once, by rank 0, without
+    a traceback.
     """
     try:
         records = Trainer(recipe).fit()
-    except BaseException:
+    except BaseException as exc:
         if dist.is_initialized() and dist.get_world_size() > 1:
             sys.stdout.flush()
-            sys.stderr.write(f"[finetune] rank {dist.get_rank()} failed; stopping every rank:\n"
-                             f"{traceback.format_exc()}")
+            if isinstance(exc, RecipeError):
+                if dist.get_rank() == 0:
+                    sys.stderr.write(f"recipe error: {exc}\n")
+            else:
+                sys.stderr.write(f"[finetune] rank {dist.get_rank()} failed; stopping every rank:\n"
+                                 f"{traceback.format_exc()}")
             sys.stderr.flush()
             os._exit(1)
         raise

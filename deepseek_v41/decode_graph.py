@@ -1,0 +1,157 @@
+"""The one-token decode step on CUDA as a graph: captured once per static cache, replayed at every later step.
+
+An eager decode step of the 4-layer released-width proxy launches ~2,200 small kernels one by one from Python: the
+GPU idles for most of the step.  With a ``DeepseekV41StaticCache`` the step has fixed shapes, fixed tensor
+addresses and no host reads, so it is captured as a ``torch.cuda.CUDAGraph`` (all blocks, the final norm, the fp32
+head and the cache's in-place writes) and each later step is a copy of the new token ids into the graph's input
+buffer and one replay.  The graph belongs to its cache: one per (batch, max length), and ``generate`` reuses its
+static caches across calls (``DeepseekV41ForCausalLM.static_cache``), so a second call of the same shape replays
+without capturing again.
+
+The first step of a cache runs eagerly on a side stream (it is the real step, and the warm-up the capture needs:
+Triton builds, cuBLAS workspaces), with CUDA's sync debug mode set to raise, so that anything that would read back
+to the host is found before capturing; then the step is captured (capturing runs nothing).  The replay runs the
+captured kernels on the same buffers: its results are those of the eager step, bit for bit.
+
+``DeepseekV41ForCausalLM.decode_graph`` picks how a static cache's decode step runs on CUDA:
+* ``"cuda_graph"`` (default): the eager step's kernels, captured as above;
+* ``"compile"``: the step through ``torch.compile(fullgraph=True, dynamic=False)`` first (Inductor's fused kernels:
+  fewer, larger kernels, e.g. the 20 Sinkhorn rounds of each mHC mix in one), captured the same way; its numerics
+  are Inductor's, not the eager step's;
+* ``"off"``: eager.
+Anything that cannot be captured (a host read in the step, a model spread over several devices, expert
+parallelism, gradients enabled) falls back to the eager step, with one log line saying why.
+"""
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MODES = ("cuda_graph", "compile", "off")
+_logged = set()
+
+
+def log_fallback(reason: str) -> None:
+    """One line per distinct reason: the eager step runs instead of a graph."""
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("deepseek_v41: decode step not replayed as a CUDA graph (%s); decoding eagerly", reason)
+
+
+def unusable_reason(model, cache, input_ids: torch.Tensor) -> str | None:
+    """Why this decode step cannot run as a graph (None: it can).  CPU tensors and ``decode_graph="off"`` are not
+    reasons worth a log line: they return ''."""
+    mode = model.decode_graph
+    if mode not in MODES:
+        raise ValueError(f"decode_graph={mode!r}: use one of {MODES}")
+    if mode == "off" or not input_ids.is_cuda or not cache.is_static:
+        return ""
+    if torch.is_grad_enabled():
+        return "gradients are enabled: a captured step runs under torch.no_grad() or torch.inference_mode()"
+    if isinstance(cache.graph, str):
+        return cache.graph
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"the model is spread over {len(devices)} devices"
+    if any(getattr(module, "dispatcher", None) is not None for module in model.modules()):
+        return "expert parallelism exchanges tokens between processes"
+    return None
+
+
+class DecodeGraph:
+    """The captured decode step of one static cache (its batch, its buffers), for one model."""
+
+    def __init__(self, model, cache, mode: str):
+        self.model, self.cache, self.mode = model, cache, mode
+        self.key = (cache.version, model_epoch(model), mode)
+        self.input_ids = None  # int64 [b, 1]: the graph's input, copied in before each replay
+        self.graph = self.hidden = self.logits = None  # the graph and its outputs (overwritten by each replay)
+        if mode == "compile":
+            if getattr(model, "_compiled_decode_body", None) is None:
+                model._compiled_decode_body = torch.compile(model._decode_body, fullgraph=True, dynamic=False)
+            self.body = model._compiled_decode_body
+        else:
+            self.body = model._decode_body
+
+    def stale(self) -> bool:
+        """True once the cache's buffers were reallocated, the model moved or cast, or the mode changed."""
+        return self.key != (self.cache.version, model_epoch(self.model), self.model.decode_graph)
+
+    def __call__(self, input_ids: torch.Tensor):
+        """input_ids [b, 1] -> (hidden [b, 1, dim], fp32 logits [b, 1, vocab]), fresh tensors; advances the rows
+        (not the cache's column count, the caller's).  Raises ``CaptureError`` when the first step cannot be
+        captured; the step is then not done (the cache is as before), so the caller can run it eagerly."""
+        if self.graph is None:
+            return self._warm_up_and_capture(input_ids)
+        self.input_ids.copy_(input_ids)
+        self.graph.replay()
+        return self.hidden.clone(), self.logits.clone()
+
+    def _warm_up_and_capture(self, input_ids):
+        current = torch.cuda.current_stream(input_ids.device)
+        self.input_ids = input_ids.to(torch.long).clone()
+        side = torch.cuda.Stream(input_ids.device)
+        side.wait_stream(current)
+        check_syncs = self.mode == "cuda_graph"  # Inductor may synchronize while it compiles
+        previous = torch.cuda.get_sync_debug_mode()
+        try:
+            with torch.cuda.stream(side):
+                if check_syncs:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    hidden, logits = self.body(self.input_ids, self.cache, head=True)
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+        except Exception as error:  # nothing advanced: the rows' advance is the step's last work
+            current.wait_stream(side)
+            raise CaptureError(f"its eager run failed: {first_line(error)}") from error
+        current.wait_stream(side)
+        result = hidden.clone(), logits.clone()  # on the current stream, after the side stream's step
+        for t in (hidden, logits):
+            t.record_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.hidden, self.logits = self.body(self.input_ids, self.cache, head=True)
+        except Exception as error:
+            self.hidden = self.logits = None
+            # the real step was done by the warm-up: its result stands, later steps run eagerly
+            self.cache.graph = f"capturing failed: {first_line(error)}"
+            log_fallback(self.cache.graph)
+            return result
+        self.graph = graph
+        return result
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def model_epoch(model) -> int:
+    return getattr(model, "_decode_graph_epoch", 0)
+
+
+def graph_decode_step(model, cache, input_ids: torch.Tensor):
+    """One decode step of input_ids [b, 1] through the cache's graph (captured at its first step) -> (hidden,
+    logits), or None when it must run eagerly (the reason logged once, unless it is only CPU or "off")."""
+    reason = unusable_reason(model, cache, input_ids)
+    if reason is not None:
+        if reason:
+            log_fallback(reason)
+        return None
+    graph = cache.graph
+    if graph is None or graph.stale():
+        graph = cache.graph = DecodeGraph(model, cache, model.decode_graph)
+    try:
+        return graph(input_ids)
+    except CaptureError as error:
+        cache.graph = str(error)
+        log_fallback(cache.graph)
+        return None

@@ -1,0 +1,159 @@
+"""The decode step replayed as a CUDA graph (decode_graph.py) over a static cache, on the GPU:
+
+    python -m pytest -q tests/gpu/test_decode_graph_gpu.py
+
+* graph decode = eager decode: the same greedy tokens over 256 steps in bf16, batch 1 and a left-padded batch of 4;
+* one capture per static cache, replayed by a later generate of the same shape after one of another batch;
+* what cannot be captured (a host read in the step, gradients on) decodes eagerly with one log line;
+* ``decode_graph="compile"`` (Inductor's kernels captured the same way) runs and stays within the bf16 gates;
+* the torch attention backend refuses a 32k prefill it cannot hold instead of running out of memory.
+Needs a CUDA GPU; skips otherwise.
+"""
+
+import logging
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from deepseek_v41 import decode_graph
+from deepseek_v41.cache_deepseek_v41 import DeepseekV41StaticCache
+from deepseek_v41.decode_graph import DecodeGraph
+from deepseek_v41.modeling_deepseek_v41 import returned_cache
+from deepseek_v41.parity import logits_metrics
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+STEPS = 256
+
+
+@pytest.fixture(scope="module")
+def model(v4_tokenizer):
+    return tiny_model(v4_tokenizer, dtype=torch.bfloat16).cuda().eval()
+
+
+def left_padded(lengths, seed=0):
+    """Random prompts of the given lengths, left padded to one width: (ids, mask) on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), 2)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, 1000, (n,), generator=g)
+        mask[row, width - n :] = 1
+    return ids.cuda(), mask.cuda()
+
+
+def generate(model, mode, ids, mask, steps=STEPS, **kwargs):
+    model.decode_graph = mode
+    return model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                          return_dict_in_generate=True, output_logits=True, **kwargs)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("lengths", [[37], [37, 5, 21, 1]], ids=["batch1", "left_padded_batch4"])
+def test_graph_decode_equals_eager_decode(model, lengths):
+    ids, mask = left_padded(lengths)
+    model.release_static_caches()
+    eager = generate(model, "off", ids, mask)
+    model.release_static_caches()
+    graph = generate(model, "cuda_graph", ids, mask)
+    cache = returned_cache(graph)
+    assert isinstance(cache, DeepseekV41StaticCache) and isinstance(cache.graph, DecodeGraph)
+    assert cache.graph.graph is not None  # captured: the steps after the first were replays
+    assert torch.equal(graph.sequences, eager.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(graph.logits, eager.logits))
+    print(f"graph vs eager over {STEPS} steps, batch {len(lengths)}: largest logit difference {diff}")
+    assert diff <= 1e-4
+    model.decode_graph = "cuda_graph"
+
+
+@torch.no_grad()
+def test_one_capture_per_shape_replayed_after_another_batch(model, monkeypatch):
+    captures = []
+    capture = DecodeGraph._warm_up_and_capture
+
+    def counted(self, input_ids):
+        captures.append(input_ids.shape[0])
+        return capture(self, input_ids)
+
+    monkeypatch.setattr(DecodeGraph, "_warm_up_and_capture", counted)
+    model.release_static_caches()
+    two, four = left_padded([9, 14], seed=1), left_padded([3, 17, 8, 11], seed=2)
+    first = generate(model, "cuda_graph", *two, steps=24).sequences
+    other = generate(model, "cuda_graph", *four, steps=24).sequences
+    again = generate(model, "cuda_graph", *two, steps=24).sequences
+    assert captures == [2, 4]  # the third generate replayed the batch-2 graph captured by the first
+    assert torch.equal(first, again)
+    model.release_static_caches()
+    assert torch.equal(generate(model, "off", *four, steps=24).sequences, other)
+    # a static cache made by hand: captured at its first decode step, replayed at the next
+    ids, mask = two
+    cache = DeepseekV41StaticCache(model.config, ids.shape[1] + 4)
+    model.decode_graph = "cuda_graph"
+    out = model(ids, attention_mask=mask, cache=cache)
+    for _ in range(3):
+        token = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        out = model(token, attention_mask=mask, cache=cache)
+    assert captures == [2, 4, 2] and cache.graph.graph is not None
+
+
+@torch.no_grad()
+def test_what_cannot_be_captured_decodes_eagerly_with_one_log_line(model, monkeypatch, caplog):
+    ids, mask = left_padded([12, 7], seed=3)
+    model.release_static_caches()
+    reference = generate(model, "off", ids, mask, steps=16).sequences
+    read_back = DeepseekV41StaticCache.engram_context
+
+    def engram_context(self, input_ids):  # a host read inside the step
+        ids, dead = read_back(self, input_ids)
+        int(ids.sum())
+        return ids, dead
+
+    monkeypatch.setattr(DeepseekV41StaticCache, "engram_context", engram_context)
+    monkeypatch.setattr(decode_graph, "_logged", set())
+    model.release_static_caches()
+    with caplog.at_level(logging.WARNING, logger="deepseek_v41.decode_graph"):
+        out = generate(model, "cuda_graph", ids, mask, steps=16)
+    lines = [r.getMessage() for r in caplog.records if "not replayed as a CUDA graph" in r.getMessage()]
+    assert len(lines) == 1 and "eager run failed" in lines[0], lines
+    assert isinstance(returned_cache(out).graph, str)  # no later capture attempt
+    assert torch.equal(out.sequences, reference)
+    monkeypatch.undo()
+    # gradients on: eager, said once
+    monkeypatch.setattr(decode_graph, "_logged", set())
+    model.release_static_caches()
+    cache = DeepseekV41StaticCache(model.config, ids.shape[1] + 2)
+    model(ids, attention_mask=mask, cache=cache)
+    with torch.enable_grad(), caplog.at_level(logging.WARNING, logger="deepseek_v41.decode_graph"):
+        model(ids[:, -1:], cache=cache)
+    assert any("gradients are enabled" in r.getMessage() for r in caplog.records)
+    assert cache.graph is None
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_compiled_decode_graph_runs_within_the_bf16_gates(model):
+    ids, mask = left_padded([37, 5, 21, 1], seed=4)
+    model.release_static_caches()
+    eager = generate(model, "off", ids, mask, steps=8)
+    model.release_static_caches()
+    compiled = generate(model, "compile", ids, mask, steps=8)
+    assert returned_cache(compiled).graph.graph is not None
+    # the first step's logits (same prefix): Inductor's kernels round differently from the eager ones
+    metrics = logits_metrics(eager.logits[0].float(), compiled.logits[0].float())
+    assert metrics["mean_kl"] <= 1e-3, metrics
+    model.decode_graph = "cuda_graph"
+
+
+@torch.no_grad()
+def test_torch_attention_refuses_a_32k_prefill_it_cannot_hold(v4_tokenizer):
+    heads = {"head_dim": 512, "qk_rope_head_dim": 64, "index_n_heads": 32, "index_head_dim": 128}
+    model = tiny_model(v4_tokenizer, dtype=torch.bfloat16, text=heads).cuda().eval()
+    ids = torch.randint(3, 1000, (1, 32768), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(ValueError, match="attn backend 'torch' cannot hold a prefill of 32768 columns.*tilelang"):
+        model(ids)
+    assert torch.cuda.max_memory_allocated() - before < 2**30  # refused before any large buffer
