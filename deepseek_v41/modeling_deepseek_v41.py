@@ -646,7 +646,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             logits.append(out[1])
         return torch.cat(hidden, 1), torch.cat(logits, 1)
 
-    def static_cache(self, batch_size: int, max_cache_len: int) -> DeepseekV41StaticCache:
+    def static_cache(self, batch_size: int, max_cache_len: int, rollback_tokens: int = 0) -> DeepseekV41StaticCache:
         """A ``DeepseekV41StaticCache`` for ``batch_size`` rows and at least ``max_cache_len`` positions (rounded up
         to a multiple of ``static_cache_granularity``), reset: the one this model last handed out for that shape
         when it still holds it (its buffers and its captured decode graph are reused), else a new one.  ``generate``
@@ -655,10 +655,10 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         step = self.static_cache_granularity
         length = min(-(-max_cache_len // step) * step, self.max_positions)
         pool = self.__dict__.setdefault("_static_caches", {})
-        key = (batch_size, length)
+        key = (batch_size, length, rollback_tokens)
         cache = pool.pop(key, None)
         if cache is None:
-            cache = DeepseekV41StaticCache(self.config, length)
+            cache = DeepseekV41StaticCache(self.config, length, rollback_tokens)
         cache.reset()
         pool[key] = cache  # the most recent last
         while len(pool) > self.static_cache_pool_size:
@@ -692,10 +692,17 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
                 f"cache_implementation={implementation!r} is not supported by DeepSeek-V4.1: use 'static' (a "
                 "preallocated DeepseekV41StaticCache; the default on CUDA) or 'dynamic' (a growing DeepseekV41Cache)"
             )
+        # assisted / prompt-lookup decoding (and an assistant's own generate) undo rejected candidates with crop: a
+        # cache that can roll back that far (at most the whole generation)
+        assisted = getattr(generation_mode, "value", generation_mode) == "assisted_generation" or bool(
+            getattr(generation_config, "is_assistant", False))
+        spare = max_cache_length if assisted else 0
+        rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
         if implementation == "static" or (implementation is None and self.device.type == "cuda"):
-            rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
             length = max(max_cache_length, generation_config.max_cache_len or 0)
-            model_kwargs[name] = self.static_cache(rows, length)
+            model_kwargs[name] = self.static_cache(rows, length, spare)
+        elif assisted:  # transformers' assisted loop needs the cache before the prefill
+            model_kwargs[name] = DeepseekV41Cache(self.config, rollback_tokens=spare)
 
     def prepare_inputs_for_generation(
         self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None, cache=None, use_cache=None,
