@@ -237,3 +237,122 @@ def draft_block(model, state: DSparkState, next_tokens: torch.Tensor, pick=None)
     confidence = final.confidence_head(collapsed, markov_embed)
     return DSparkDraft(torch.stack(tokens, 1), logits, confidence, head_in, markov_embed)
 
+
+
+@dataclass
+class DSparkStats:
+    """Self-speculative decoding's bookkeeping: ``accepted`` [steps][b] drafted tokens taken per verification step
+    (each step also adds the verifier's own token); ``tokens_per_step`` = mean(accepted) + 1."""
+
+    accepted: list
+
+    @property
+    def tokens_per_step(self) -> float:
+        counts = [n for step in self.accepted for n in step]
+        return 1.0 + sum(counts) / max(len(counts), 1)
+
+
+def accept_greedy(draft: DSparkDraft, target_logits: torch.Tensor):
+    """Greedy verification. target_logits fp32 [b, B+1, V] (position j: the token after block token j) ->
+    (accepted [b], the verifier's token after them [b]): drafts are kept while they equal the target's argmax."""
+    target = target_logits.argmax(-1)  # [b, B+1]
+    same = (draft.tokens == target[:, :-1]).long()
+    accepted = same.cumprod(-1).sum(-1)  # leading matches
+    return accepted, target.gather(1, accepted.unsqueeze(1)).squeeze(1)
+
+
+def accept_sampled(draft_probs: torch.Tensor, tokens: torch.Tensor, target_probs: torch.Tensor, generator=None):
+    """Speculative sampling's rejection rule (Leviathan et al. 2023; Chen et al. 2023): draft token j, drawn from
+    q_j, is kept with probability min(1, p_j / q_j); the first rejected one is replaced by a draw from
+    norm(max(p_j - q_j, 0)); when all B are kept a bonus token comes from p_B.  Every emitted token is then
+    distributed as the target's p.  draft_probs [b, B, V], tokens [b, B], target_probs [b, B+1, V] ->
+    (accepted [b], next token [b])."""
+    b, B = tokens.shape
+    p = target_probs[:, :B].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    q = draft_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    u = torch.rand(p.shape, device=p.device, generator=generator)
+    keep = (u * q <= p).long()  # u < p / q without dividing by a zero q
+    accepted = keep.cumprod(-1).sum(-1)  # [b]
+    row = torch.arange(b, device=p.device)
+    at = accepted.clamp(max=B - 1)
+    residual = (target_probs[row, at] - draft_probs[row, at]).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_probs[row, at])
+    fallback = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
+    bonus = torch.multinomial(target_probs[:, B], 1, generator=generator).squeeze(1)
+    return accepted, torch.where(accepted == B, bonus, fallback)
+
+
+@torch.no_grad()
+def speculative_generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, do_sample: bool = False,
+                         temperature: float = 1.0, eos_token_id=None, pad_token_id=None, generator=None):
+    """Self-speculative decoding with the DSpark stages: each step drafts ``dspark_block_size`` tokens, verifies
+    them with the backbone in one forward over the B + 1 block (the last token and the drafts), keeps the accepted
+    prefix plus the verifier's own next token and rolls the cache back over the rest.  Greedy (``do_sample``
+    False) gives exactly plain greedy decoding's tokens; sampling keeps the target distribution (rejection rule).
+
+    input_ids [b, s] (left padding by ``attention_mask``) -> (sequences [b, s + new], ``DSparkStats``); rows that end
+    (``eos_token_id``) or run short are padded with ``pad_token_id``."""
+    from .modeling_deepseek_v41 import real_lengths, roll_rows
+
+    text = model.config.text_config
+    B = text.dspark_block_size
+    if not hasattr(model, "mtp"):
+        raise ValueError("use_dspark=True needs the DSpark draft stages (num_nextn_predict_layers > 0 and "
+                         "dspark_block_size > 0 in the config, mtp.* weights in the checkpoint)")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
+    eos = set() if eos_token_id is None else set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    b = input_ids.shape[0]
+    cache = model.dspark_cache(b, input_ids.shape[1] + max_new_tokens + B + 1, B)
+    out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+                output_dspark_hidden=True)
+    cache = out.past_key_values if hasattr(out, "past_key_values") and out.past_key_values is not None else cache
+    lengths, shift = real_lengths(attention_mask, input_ids)
+    hidden = out.dspark_hidden if shift is None else roll_rows(out.dspark_hidden, shift)  # rows left-aligned
+    state = DSparkState(model.mtp, text.sliding_window)
+    state.add(model.mtp, hidden, lengths.to(hidden.device))
+
+    def choose(logits):  # fp32 [b, V] -> (token [b], probabilities or None)
+        if not do_sample:
+            return logits.argmax(-1), None
+        probs = torch.softmax(logits / temperature, -1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
+
+    last = out.logits[:, -1]
+    nxt, _ = choose(last)
+    produced = [[t] for t in nxt.tolist()]
+    done = [t in eos for t in nxt.tolist()]
+    stats = DSparkStats([])
+    def picker(store):  # draft_block's choice of each drafted token, its distribution kept in store
+        def pick(logits, i):
+            token, probs = choose(logits)
+            store.append(probs)
+            return token
+
+        return pick
+
+    while not all(done) and min(len(p) for p in produced) < max_new_tokens:
+        draft_probs = []
+        draft = draft_block(model, state, nxt, picker(draft_probs))
+        block = torch.cat([nxt.unsqueeze(1), draft.tokens], 1)  # [b, B+1] at each row's positions lengths..
+        verify = model(block, past_key_values=cache, use_cache=True, output_dspark_hidden=True)
+        if do_sample:
+            target = torch.softmax(verify.logits / temperature, -1)
+            accepted, nxt = accept_sampled(torch.stack(draft_probs, 1), draft.tokens, target, generator)
+        else:
+            accepted, nxt = accept_greedy(draft, verify.logits)
+        cache.rollback(B - accepted)  # keep the block's first accepted + 1 positions
+        keep = accepted + 1
+        state.add_rows(model.mtp, verify.dspark_hidden, keep)
+        stats.accepted.append(accepted.tolist())
+        for i, (n, row) in enumerate(zip(keep.tolist(), block.tolist())):
+            if done[i]:
+                continue
+            for token in row[1:n] + [int(nxt[i])]:
+                if len(produced[i]) < max_new_tokens and not done[i]:
+                    produced[i].append(token)
+                    done[i] = token in eos
+    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+    width = max(len(p) for p in produced)
+    new = torch.tensor([p + [pad] * (width - len(p)) for p in produced], device=input_ids.device)
+    return torch.cat([input_ids, new], 1), stats

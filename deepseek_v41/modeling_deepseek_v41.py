@@ -568,7 +568,8 @@ class DeepseekV41CausalLMOutput(CausalLMOutputWithPast):
 
 class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     """Backbone + fp32 head: logits are fp32 and never rounded to bf16.  ``generate()`` decodes with a
-    ``DeepseekV41Cache`` (greedy, sampling, beam search; left-padded batches)."""
+    ``DeepseekV41Cache`` (greedy, sampling, beam search; left-padded batches; assisted and prompt-lookup decoding;
+    with DSpark stages ``use_dspark=True``: self-speculative)."""
 
     _with_head = True
 
@@ -613,6 +614,40 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             dspark_hidden=getattr(backbone, "dspark_hidden", None),
         )
         return output.to_tuple() if return_dict is False else output
+
+    def generate(self, inputs=None, *args, use_dspark: bool = False, **kwargs):
+        """transformers' ``generate``; ``use_dspark=True`` decodes self-speculatively with the DSpark draft stages
+        (``dspark.speculative_generate``: greedy gives plain greedy decoding's tokens, sampling keeps the target's
+        distribution) and records the drafted tokens accepted per step in ``self.dspark_stats``."""
+        if not use_dspark:
+            return super().generate(inputs, *args, **kwargs)
+        from .dspark import speculative_generate
+
+        if args:
+            raise TypeError("generate(use_dspark=True) takes keyword arguments only (besides the input ids)")
+        config = kwargs.pop("generation_config", None) or self.generation_config
+        options = {
+            "input_ids": kwargs.pop("input_ids", inputs), "attention_mask": kwargs.pop("attention_mask", None),
+            "max_new_tokens": kwargs.pop("max_new_tokens", None) or config.max_new_tokens or 20,
+            "do_sample": kwargs.pop("do_sample", config.do_sample),
+            "temperature": kwargs.pop("temperature", config.temperature if config.temperature is not None else 1.0),
+            "eos_token_id": kwargs.pop("eos_token_id", config.eos_token_id),
+            "pad_token_id": kwargs.pop("pad_token_id", config.pad_token_id),
+            "generator": kwargs.pop("generator", None),
+        }
+        kwargs.pop("use_cache", None)
+        if kwargs:
+            raise ValueError(f"generate(use_dspark=True) does not take {sorted(kwargs)}: it supports input_ids, "
+                             "attention_mask, max_new_tokens, do_sample, temperature, eos_token_id, pad_token_id")
+        sequences, self.dspark_stats = speculative_generate(self, **options)
+        return sequences
+
+    def dspark_cache(self, batch_size: int, max_cache_len: int, rollback_tokens: int) -> DeepseekV41Cache:
+        """The cache self-speculative decoding verifies with: one that can undo ``rollback_tokens`` positions (a
+        static one on CUDA, as generate's)."""
+        if self.device.type == "cuda":
+            return self.static_cache(batch_size, max_cache_len, rollback_tokens)
+        return DeepseekV41Cache(self.config, rollback_tokens=rollback_tokens)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [b, s, dim] -> fp32 logits [b, s, vocab]: the head kernel on a plain head; a wrapped or replaced

@@ -185,3 +185,77 @@ def test_saved_and_released_again_under_the_same_names(snapshot, tmp_path):
     assert all(torch.equal(mine[n], theirs[n]) for n in mine if n.startswith("mtp."))
     report = load_checkpoint_into_model(again, tmp_path / "release")
     assert not report.skipped and all(n in report.loaded for n in mtp)
+
+
+# ---- self-speculative decoding ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_fp32(snapshot):
+    return DeepseekV41ForCausalLM.from_pretrained(snapshot, dtype=torch.float32)
+
+
+@torch.no_grad()
+def test_greedy_with_dspark_equals_greedy(model_fp32, golden):
+    ids = golden["input_ids"]
+    padded, mask = ids[:, :18].clone(), torch.ones(2, 18, dtype=torch.long)
+    padded[1, :5], mask[1, :5] = 2, 0  # row 1 left-padded: its positions run 5 behind row 0's
+    # one row; two rows accepting different counts; a left-padded batch
+    for prompt, attention_mask in ((ids[:1, :20], None), (ids[:, :17], None), (padded, mask)):
+        plain = model_fp32.generate(prompt, attention_mask=attention_mask, max_new_tokens=16, do_sample=False)
+        spec = model_fp32.generate(prompt, attention_mask=attention_mask, max_new_tokens=16, do_sample=False,
+                                   use_dspark=True)
+        assert torch.equal(spec, plain)
+        stats = model_fp32.dspark_stats
+        assert all(0 <= n <= 4 for step in stats.accepted for n in step) and stats.tokens_per_step >= 1
+    sampled = model_fp32.generate(padded, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.8,
+                                  use_dspark=True, generator=torch.Generator().manual_seed(0))
+    assert sampled.shape == (2, 26) and torch.equal(sampled[:, :18], padded)
+    with pytest.raises(ValueError, match="does not take \\['num_beams'\\]"):
+        model_fp32.generate(padded, max_new_tokens=2, num_beams=2, use_dspark=True)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("right", [0, 1, 2, 3, 4])
+def test_greedy_verification_at_every_acceptance_length(model_fp32, golden, monkeypatch, right):
+    # drafts that are the greedy continuation for their first `right` tokens, then wrong: every step accepts
+    # exactly `right` (all 4 and the bonus token at right = 4), rolls the cache back over the rest and must still
+    # give greedy decoding's tokens
+    from deepseek_v41 import dspark
+
+    prompt = golden["input_ids"][:1, :20]
+    plain = model_fp32.generate(prompt, max_new_tokens=14, do_sample=False)
+    truth = torch.cat([plain[0, 20:], plain.new_zeros(8)])
+    real = dspark.draft_block
+
+    def oracle(model, state, next_tokens, pick=None):
+        draft = real(model, state, next_tokens, pick)
+        at = int(state.lengths[0]) - 20 + 1  # the drafted positions' index in the generated tokens
+        tokens = truth[at : at + 4].clone()
+        tokens[right:] = (tokens[right:] + 1) % 1000 + 3  # wrong
+        draft.tokens = tokens.unsqueeze(0)
+        return draft
+
+    monkeypatch.setattr(dspark, "draft_block", oracle)
+    spec = model_fp32.generate(prompt, max_new_tokens=14, do_sample=False, use_dspark=True)
+    assert torch.equal(spec, plain)
+    steps = model_fp32.dspark_stats.accepted
+    assert all(step == [right] for step in steps[:-1]), steps  # the last step may stop early at max_new_tokens
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    # one drafted token over a 5-token vocabulary: emitted tokens follow p whatever q proposed (200k trials: the
+    # frequencies' standard error is <= 1.2e-3; gate 5e-3)
+    from deepseek_v41.dspark import accept_sampled
+
+    gen = torch.Generator().manual_seed(0)
+    n = 200_000
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3])
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen).unsqueeze(1)  # [n, 1] drawn from q
+    target = p.expand(n, 2, 5)  # the target at the drafted position and after it
+    accepted, nxt = accept_sampled(q.expand(n, 1, 5), drafts, target, gen)
+    first = torch.where(accepted == 1, drafts[:, 0], nxt)  # the token emitted at the drafted position
+    freq = torch.bincount(first, minlength=5).float() / n
+    assert (freq - p).abs().max() < 5e-3, freq
+    assert abs(accepted.float().mean() - torch.minimum(p, q).sum()) < 5e-3  # acceptance rate sum(min(p, q))
