@@ -32,10 +32,13 @@ compressed entries are read over the whole capacity with a validity mask ((posit
 instead of sliced to the longest row's count, the completed group's entry is a masked in-place write, and the Engram
 look-back is a ring indexed by position like the window.  It holds the index keys in fp32 (the dtype the step's
 indexer scores read them in; 128·2 more bytes per entry), so no step converts the whole capacity.  Everything a row holds is indexed by its position
-(``lengths``, one counter per row): ring slot p % size, entry p // ratio.  With ``rollback_tokens=k`` the rings keep
-k positions more than decoding needs (the window W + k keys, the open group's carry r + k projections, the
-Engram look-back n - 1 + k ids), so forgetting a row's last k tokens is only a smaller counter: what the earlier
-positions need is still in their slots, and the entries past the new count are masked until rewritten.
+(``lengths``, one counter per row): ring slot p % size, entry p // ratio.
+
+Rollback (both caches, ``rollback_tokens=k``; transformers' ``crop``, assisted / prompt-lookup and DSpark
+self-speculative decoding): the rings keep k positions more than decoding needs (the window W + k keys, the open
+group's carry r + k projections, the Engram look-back n - 1 + k ids), so forgetting a row's last k tokens
+(``rollback``) is only a smaller counter: what the earlier positions need is still in their slots, and the entries
+past the new count are unread (masked, or past the slice) until their group completes again and rewrites them.
 """
 
 import torch
@@ -65,7 +68,7 @@ def ring_slots(pos: torch.Tensor, size: int, span: int) -> torch.Tensor:
 
 class CSA2LayerCache:
     """One attention layer's decode state (see the module docstring).  ``spare``: positions the rings keep beyond
-    what decoding reads (``rollback_tokens`` of a static cache; 0 here)."""
+    what decoding reads (the cache's ``rollback_tokens``)."""
 
     static = False
 
@@ -183,17 +186,21 @@ class DeepseekV41Cache(Cache):
     """A transformers ``Cache`` for DeepSeek-V4.1 (CSA2 attention, Engram): ``use_cache=True`` returns one,
     ``past_key_values=`` / ``cache=`` takes it back; ``generate`` reorders and repeats it for beam search.
 
-    Decoding runs one token per row per step (several new columns are decoded one after the other)."""
+    Decoding runs one token per row per step (several new columns are decoded one after the other).
+    ``rollback_tokens``: how many of its last positions per row it can forget (``rollback``, ``crop``)."""
 
     # generate's auto-compile (torch.compile of the whole forward, prefill included) stays off: the model captures
     # its own decode step as a CUDA graph (decode_graph.py)
     is_compileable = False
     is_static = False
 
-    def __init__(self, config, batch_size: int | None = None):
+    def __init__(self, config, batch_size: int | None = None, rollback_tokens: int = 0):
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         text = getattr(text, "text_config", text)
         self.text_config = text
+        if rollback_tokens < 0:
+            raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
+        self.rollback_tokens = rollback_tokens
         layers = [self._layer_cache(i) for i in range(text.num_hidden_layers)]
         try:
             super().__init__(layers=layers)
@@ -207,7 +214,8 @@ class DeepseekV41Cache(Cache):
 
     def _layer_cache(self, layer: int) -> CSA2LayerCache:
         text = self.text_config
-        return CSA2LayerCache(text.sliding_window, text.compress_ratios[layer], text.attention_mode(layer) == "full")
+        return CSA2LayerCache(text.sliding_window, text.compress_ratios[layer], text.attention_mode(layer) == "full",
+                              self.rollback_tokens)
 
     # ---- what the model calls ------------------------------------------------------------------------------
 
@@ -219,7 +227,8 @@ class DeepseekV41Cache(Cache):
         self.columns, self.lengths = columns, lengths.clone()
         self.lengths_host = lengths.tolist()
         n = self.text_config.engram_max_ngram_size - 1
-        if self.text_config.engram_layer_ids and n > 0:
+        if self.text_config.engram_layer_ids and n > 0:  # the look-back, plus rollback_tokens older ids
+            n += self.rollback_tokens
             pos = lengths.unsqueeze(1) - n + torch.arange(n, device=lengths.device)  # [b, n]
             safe = pos.clamp(min=0)
             self.engram_ids = input_ids.gather(1, safe)
@@ -255,8 +264,43 @@ class DeepseekV41Cache(Cache):
 
     def engram_context(self, input_ids: torch.Tensor):
         """(ids [b, n-1+1], dead [b, n-1+1]): the look-back context followed by the new token [b, 1]."""
-        ids = torch.cat([self.engram_ids, input_ids], dim=1)
-        return ids, torch.cat([self.engram_dead, self.engram_dead.new_zeros(input_ids.shape)], dim=1)
+        n = self.text_config.engram_max_ngram_size - 1
+        ids = torch.cat([self.engram_ids[:, self.engram_ids.shape[1] - n :], input_ids], dim=1)
+        dead = self.engram_dead[:, self.engram_dead.shape[1] - n :]
+        return ids, torch.cat([dead, dead.new_zeros(input_ids.shape)], dim=1)
+
+    def rollback(self, counts) -> None:
+        """Forget the last ``counts`` positions of each row (an int, or int64 [b] per row), exactly: the state is then
+        the one a cache that never saw them holds.  Everything is indexed by position, and the rings keep
+        ``rollback_tokens`` positions more than decoding reads, so this only lowers the counts: the window keys,
+        the open group's carry and the Engram look-back of the earlier positions are still in their slots; the
+        compressed entries and index keys of groups that are no longer complete are past the new counts, unread
+        until the group completes again and rewrites them."""
+        if self.lengths is None:
+            raise ValueError("rollback before a prefill: the cache holds nothing")
+        counts = torch.as_tensor(counts, device=self.lengths.device).expand_as(self.lengths)
+        host = counts.tolist()
+        lengths_host = self.lengths.tolist()
+        for row, (k, n) in enumerate(zip(host, lengths_host)):
+            if not 0 <= k <= self.rollback_tokens or k > n:
+                raise ValueError(
+                    f"cannot roll row {row} back by {k} positions: this {type(self).__name__} keeps "
+                    f"rollback_tokens={self.rollback_tokens} positions to undo (the row holds {n}); make it with "
+                    "rollback_tokens >= the most positions a step may undo"
+                )
+        self._rollback_rows(counts)
+        self.lengths_host = [n - k for n, k in zip(lengths_host, host)]
+        self.columns -= min(host)  # the columns of the longest row that remain
+
+    def _rollback_rows(self, counts: torch.Tensor) -> None:
+        # the growing cache: the counts, and the Engram register shifted right by each row's count (its oldest
+        # ids come back from the spare entries; what falls before the register is dead and never read)
+        self.lengths = self.lengths - counts
+        if self.engram_ids is not None:
+            width = self.engram_ids.shape[1]
+            src = torch.arange(width, device=counts.device).unsqueeze(0) - counts.unsqueeze(1)  # [b, width]
+            self.engram_ids = self.engram_ids.gather(1, src.clamp(min=0))
+            self.engram_dead = self.engram_dead.gather(1, src.clamp(min=0)) | (src < 0)
 
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors (capacity included)."""
@@ -321,7 +365,7 @@ class DeepseekV41Cache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return False
+        return self.rollback_tokens > 0
 
     @property
     def is_linear(self) -> list[bool]:
@@ -360,14 +404,16 @@ class DeepseekV41Cache(Cache):
     def reset(self) -> None:
         self.__init__(self.text_config)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            raise NotImplementedError(
-                f"{type(self).__name__} cannot be cropped (its compressed entries and Engram context have no undo); "
-                "prefill again from the kept tokens"
-            )
+    def crop(self, max_length: int) -> None:
+        """transformers' crop: keep the first ``max_length`` columns, or drop the last ``-max_length`` (negative) of
+        every row (``rollback``; assisted and prompt-lookup decoding undo their rejected candidates this way)."""
+        remove = -max_length if max_length < 0 else self.columns - max_length
+        if remove < 0:
+            raise ValueError(f"crop({max_length}) asks for more columns than the {self.columns} this cache holds")
+        if remove:
+            self.rollback(remove)
 
-    def activate_past_recording(self, *args, **kwargs) -> None:  # nothing to record: crop(n != 0) is refused
+    def activate_past_recording(self, *args, **kwargs) -> None:  # nothing to record: the rings keep the past
         pass
 
     def __len__(self) -> int:
@@ -394,9 +440,9 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
             raise ValueError(f"max_cache_len must be a positive number of positions, got {max_cache_len}")
         if rollback_tokens < 0:
             raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
-        self._max_cache_len, self.rollback_tokens = max_cache_len, rollback_tokens
+        self._max_cache_len = max_cache_len
         self.version = 0  # bumped whenever a buffer is (re)allocated: a graph captured on the old ones is stale
-        super().__init__(config)
+        super().__init__(config, rollback_tokens=rollback_tokens)
         n = self.text_config.engram_max_ngram_size - 1
         self.engram_ring = n + rollback_tokens if self.text_config.engram_layer_ids and n > 0 else 0
         self.graph = None  # the captured decode step (decode_graph.DecodeGraph) or why there is none (str)
@@ -460,6 +506,10 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
             self.engram_ids.scatter_(1, slot, input_ids.to(self.engram_ids.dtype))
             self.engram_dead.scatter_(1, slot, torch.zeros_like(slot, dtype=torch.bool))
         self.lengths.add_(1)
+
+    def _rollback_rows(self, counts: torch.Tensor) -> None:
+        # in place (a captured graph reads these buffers): the Engram ring is indexed by position like the rest
+        self.lengths.sub_(counts)
 
     def engram_context(self, input_ids: torch.Tensor):
         n = self.text_config.engram_max_ngram_size - 1

@@ -108,7 +108,7 @@ def progress_bar(total_bytes: int, desc: str):
 _RELEASED_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
 _MODEL_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<proj>w[123])$")
 _ENGRAM_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
-SKIPPED_PREFIXES = ("mtp.",)  # DSpark draft stages: released, not implemented by the model
+SKIPPED_PREFIXES = ("mtp.",)  # DSpark draft stages: skipped when the model is built without them
 
 
 def released_to_model_name(name: str) -> tuple[str, int | None]:
@@ -428,6 +428,9 @@ class ReleasedCheckpoint:
             (re.compile(r"^layers\.(\d+)\."), "text_config.num_hidden_layers", text.get("num_hidden_layers")),
             (re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\."), "text_config.n_routed_experts",
              text.get("n_routed_experts")),
+            (re.compile(r"^mtp\.(\d+)\."), "text_config.num_nextn_predict_layers", text.get("num_nextn_predict_layers")),
+            (re.compile(r"^mtp\.\d+\.ffn\.experts\.(\d+)\."), "text_config.dspark_n_routed_experts",
+             text.get("dspark_n_routed_experts")),
             (re.compile(r"^vision\.blocks\.(\d+)\."), "vision_config.num_hidden_layers",
              vision.get("num_hidden_layers")),
         ]
@@ -602,7 +605,7 @@ class LoadReport:
     """What `load_checkpoint_into_model` did, by released tensor name."""
 
     loaded: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # released, deliberately unused (mtp.*)
+    skipped: list[str] = field(default_factory=list)  # released, deliberately unused (mtp.* of a stageless model)
     missing: list[str] = field(default_factory=list)  # expected by the model, absent (strict=False only)
     unexpected: list[str] = field(default_factory=list)  # present, unknown to the model (strict=False only)
 
@@ -662,6 +665,7 @@ def _plan(
                 expected[model_to_released_name(target_name, expert)] = (target_name, expert)
         else:
             expected[target_name] = (target_name, None)
+    has_stages = any(name.startswith(SKIPPED_PREFIXES) for name in expected)
     missing = sorted(set(expected) - set(checkpoint.tensors))
     if missing:
         if strict:
@@ -672,7 +676,7 @@ def _plan(
     plan = []
     for name, stored in checkpoint.tensors.items():
         if name not in expected:
-            if name.startswith(SKIPPED_PREFIXES):
+            if name.startswith(SKIPPED_PREFIXES) and not has_stages:
                 report.skipped.append(name)
             elif strict:
                 raise CheckpointError(f"unexpected tensor {name!r} in {stored.where}: the model has no parameter "
@@ -692,8 +696,8 @@ def _plan(
                                   f"parameter {label} is {target.dtype}: wrong dtype")
         plan.append(_Assignment(name, target_name, expert))
     if report.skipped:
-        logger.info("skipping %d released tensors the model does not implement (DSpark draft stages mtp.*)",
-                    len(report.skipped))
+        logger.info("skipping %d released tensors of the DSpark draft stages (mtp.*): the model is built without "
+                    "them (num_nextn_predict_layers 0)", len(report.skipped))
     return targets, plan, report
 
 
@@ -724,7 +728,8 @@ def load_checkpoint_into_model(
     Every name, shape and dtype is checked before any data is read. Tensors are then decoded shard by
     shard, in row blocks, straight into the target's dtype and device, so memory beyond the model stays
     at a few row blocks. The model may be built on the meta device and `to_empty`'d first. `mtp.*`
-    (DSpark draft stages) are skipped; with strict=False missing/unexpected tensors are only reported.
+    (DSpark draft stages) load into the model's stages, or are skipped by a model built without them; with
+    strict=False missing/unexpected tensors are only reported.
     `check_finite` (default: on, or `DEEPSEEK_V41_CHECK_FINITE`) checks every decoded block finite;
     `verify_checksums` (default: on, or `DEEPSEEK_V41_VERIFY_CHECKSUMS`) compares each shard with the checksum
     its index records (exports of ours), before the first tensor is read from it.

@@ -27,6 +27,7 @@ from .attention import Attention, CSA2State, check_attention_memory
 from .backends import check_available
 from .cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
 from .configuration_deepseek_v41 import DeepseekV41Config
+from .dspark import build_stages, dspark_stage_count
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
 from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
@@ -81,11 +82,15 @@ class DeepseekV41Block(GradientCheckpointingLayer):
             pre_in, self.hc, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
         )
 
-    def forward(self, x, pre_in, state: CSA2State, input_ids=None, image_mask=None, engram_hash_ids=None):
-        # x [b, s, hc, dim] streams, pre_in fp32 [b, s, hc] -> (streams [b, s, hc, dim], pre-mix fp32 [b, s, hc])
+    def forward(self, x, pre_in, state: CSA2State, input_ids=None, image_mask=None, engram_hash_ids=None,
+                stream_means=None):
+        # x [b, s, hc, dim] streams, pre_in fp32 [b, s, hc] -> (streams [b, s, hc, dim], pre-mix fp32 [b, s, hc]).
+        # stream_means (a list): gets the block input's mean over the streams [b, s, dim] (a DSpark target layer)
         if self.engram is not None:
             hash_ids = engram_hash_ids if engram_hash_ids is not None else self.engram.hash(input_ids, image_mask)
             x = self.engram(x, hash_ids, image_mask)
+        if stream_means is not None:
+            stream_means.append(x.float().mean(2).to(x.dtype))
         attn_pre, attn_post, attn_comb, h = self.mix_pre(x, "attn", pre_in)
         y = self.attn(self.attn_norm(h), state)
         x = self.hc_post(y, x, attn_post, attn_comb)
@@ -107,7 +112,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     # fp32 islands (architecture.md §4, §7, §8): loaded, kept and trained in fp32 whatever the model dtype.
     _keep_in_fp32_modules_strict = [
         "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-        "attn_sink", "gate.bias", "gate.bias_vl", "head", "norm1", "norm2", "vision.norm",
+        "attn_sink", "gate.bias", "gate.bias_vl", "head", "norm1", "norm2", "vision.norm", "confidence_head",
     ]
 
     @torch.no_grad()
@@ -364,6 +369,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             self.head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
             self.head_matmul = make_head_matmul(config.backend)  # backend "head": fp32 or bf16x3
             self.head_loss = make_head_loss(config.backend)  # bf16x3: the loss fused into the head, else None
+            if dspark_stage_count(text):  # the DSpark draft stages mtp.{k} (dspark.py); they share embed and head
+                self.mtp = build_stages(text, config.backend, DeepseekV41Block, self.has_vision)
         self.post_init()
         for module in self.modules():  # hard top-k: the indexer gets no LM gradient, so it is frozen
             if hasattr(module, "indexer"):
@@ -374,13 +381,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def forward(
         self, input_ids=None, attention_mask=None, position_ids=None, pixel_values=None, image_grid_hws=None,
         vision_token_types=None, engram_hash_ids=None, use_cache=None, past_key_values=None, inputs_embeds=None,
-        cache=None, output_hidden_states=None, output_attentions=None, return_dict=None, **kwargs,
+        cache=None, output_hidden_states=None, output_attentions=None, return_dict=None, output_dspark_hidden=None,
+        **kwargs,
     ) -> BaseModelOutputWithPast:
         # input_ids [b, s] (right or left padded) -> last_hidden_state [b, s, dim]; use_cache=True (or a cache
         # given as past_key_values= / cache=) returns the DeepseekV41Cache that decodes the next tokens.  With
         # output_hidden_states also hidden_states: the embeddings, then after each block but the last its streams
         # collapsed with the pre-mix the next block's attention uses (its input before the norm), then
-        # last_hidden_state: n_layers + 1 x [b, s, dim]
+        # last_hidden_state: n_layers + 1 x [b, s, dim].  output_dspark_hidden: also dspark_hidden [b, s,
+        # targets·dim], the DSpark stages' input (each dspark_target_layer_ids block's input, mean over the streams)
         if output_attentions:
             raise NotImplementedError(
                 "output_attentions=True: CSA2 sparse attention never forms a dense attention matrix (each query "
@@ -391,10 +400,14 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         validate_inputs(self, input_ids, attention_mask, position_ids, use_cache, cache, inputs_embeds, kwargs,
                         check_values=not from_generate)
         input_ids = input_ids.to(self.embed.weight.device)
+        targets = self.dspark_targets(output_dspark_hidden)
         if cache is not None and cache.get_seq_length() > 0:
             if pixel_values is not None or (vision_token_types is not None and (vision_token_types >= 0).any()):
                 raise ValueError("images go in the prompt (the first forward of a cache); decode steps are text")
             cache.check_room(input_ids.shape[1])
+            if targets:  # the DSpark stages' input: eager steps that also collect the target layers' stream means
+                hidden, dspark_hidden = self.decode(input_ids, cache, targets)
+                return with_cache(DeepseekV41ModelOutput, cache, last_hidden_state=hidden, dspark_hidden=dspark_hidden)
             hidden, logits = self._decode_columns(input_ids, cache, not output_hidden_states)
             if logits is None:
                 return with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden)
@@ -427,6 +440,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre[..., 0] = 1.0  # block 0 collapses with a one-hot pre-mix on stream 0
         state = CSA2State(cache, lengths if cache is not None else None)
         hidden_states = [h] if output_hidden_states else None
+        means = []  # the DSpark target layers' stream means, in layer order
         for layer in self.layers:
             hash_ids = engram_hash_ids_for(engram_hash_ids, layer, self.config.text_config)
             if layer.hc_attn_fn.device != x.device:  # device_map spread the blocks over devices
@@ -435,7 +449,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                     None if t is None else t.to(device) for t in (x, pre, input_ids, image_mask, hash_ids)
                 )
                 state.to(device)
-            x, pre = layer(x, pre, state, input_ids=input_ids, image_mask=image_mask, engram_hash_ids=hash_ids)
+            x, pre = layer(x, pre, state, input_ids=input_ids, image_mask=image_mask, engram_hash_ids=hash_ids,
+                           stream_means=means if layer.layer in targets else None)
             if output_hidden_states and layer is not self.layers[-1]:
                 hidden_states.append(self.hc_collapse(x, pre))
         device = self.norm.weight.device
@@ -444,19 +459,37 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             cache.finish_prefill(input_ids, image_mask, lengths, s)
         if hidden_states is not None:
             hidden_states = (*hidden_states, hidden)
+        dspark_hidden = torch.cat([m.to(device) for m in means], -1) if targets else None
         if shift is not None:  # back to the input's columns
             hidden = roll_rows(hidden, -shift)
             hidden_states = None if hidden_states is None else tuple(roll_rows(t, -shift) for t in hidden_states)
-        output = with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden, hidden_states=hidden_states)
+            dspark_hidden = None if dspark_hidden is None else roll_rows(dspark_hidden, -shift)
+        output = with_cache(DeepseekV41ModelOutput, cache, last_hidden_state=hidden, hidden_states=hidden_states,
+                            dspark_hidden=dspark_hidden)
         return output.to_tuple() if return_dict is False else output
 
-    def decode(self, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
-        """input_ids [b, n] text tokens after the cached ones -> hidden [b, n, dim], one column at a time."""
-        return torch.cat([self._decode_step(input_ids[:, j : j + 1], cache) for j in range(input_ids.shape[1])], 1)
+    def dspark_targets(self, output_dspark_hidden) -> tuple:
+        """The layers whose stream means a forward collects: the DSpark targets when asked for, else none."""
+        if not output_dspark_hidden:
+            return ()
+        if not hasattr(self, "mtp"):
+            raise ValueError("output_dspark_hidden=True needs the DSpark draft stages: this model has none "
+                             "(num_nextn_predict_layers or dspark_block_size is 0, or it is the headless backbone)")
+        return tuple(self.config.text_config.dspark_target_layer_ids)
+
+    def decode(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, targets=()):
+        """input_ids [b, n] text tokens after the cached ones -> (hidden [b, n, dim], the DSpark input [b, n, ·] of
+        ``targets`` or None), one column at a time."""
+        hidden, means = [], []
+        for j in range(input_ids.shape[1]):
+            step, _ = self._decode_body(input_ids[:, j : j + 1], cache, means=means if targets else None)
+            cache.columns += 1
+            hidden.append(step)
+        return torch.cat(hidden, 1), (torch.cat(means, 1) if targets else None)
 
     def _decode_columns(self, input_ids, cache, may_replay: bool):
         # -> (hidden [b, n, dim], logits or None): the backbone has no head, and decodes eagerly
-        return self.decode(input_ids, cache), None
+        return self.decode(input_ids, cache)[0], None
 
     def _decode_step(self, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
         # input_ids [b, 1]: row i's token at position cache.lengths[i] -> hidden [b, 1, dim]
@@ -464,11 +497,12 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         cache.columns += 1
         return hidden
 
-    def _decode_body(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, head: bool = False):
+    def _decode_body(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, head: bool = False, means=None):
         # The device work of one decode step, which a CUDA graph captures (decode_graph.py): the blocks, the final
         # norm, the head when asked (-> (hidden [b, 1, dim], fp32 logits [b, 1, vocab] or None)), and last the rows'
         # advance (their counts and Engram context; the host's column count is the caller's).  With a static cache
-        # every shape is fixed and nothing is read back to the host.
+        # every shape is fixed and nothing is read back to the host.  means (a list, eager only): gets the DSpark
+        # targets' stream means concatenated [b, 1, targets·dim]
         hashes = {}
         if cache.engram_ids is not None:  # each Engram layer's n-grams over the cached look-back context
             context, dead = cache.engram_context(input_ids)
@@ -481,11 +515,16 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre = torch.zeros(b, 1, self.hc, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1.0
         state = CSA2State(cache, positions=cache.lengths)
+        targets = self.config.text_config.dspark_target_layer_ids if means is not None else ()
+        collected = []
         for layer in self.layers:
-            x, pre = layer(x, pre, state, input_ids=input_ids, engram_hash_ids=hashes.get(layer.layer))
+            x, pre = layer(x, pre, state, input_ids=input_ids, engram_hash_ids=hashes.get(layer.layer),
+                           stream_means=collected if layer.layer in targets else None)
         hidden = self.norm(self.hc_collapse(x, pre))
         logits = self.head_logits(hidden) if head else None
         cache.advance_rows(input_ids)
+        if means is not None:
+            means.append(torch.cat(collected, -1))
         return hidden, logits
 
     def embed_images(self, h, input_ids, pixel_values, image_grid_hws, vision_token_types):
@@ -508,6 +547,13 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
 
 @dataclass
+class DeepseekV41ModelOutput(BaseModelOutputWithPast):
+    """``BaseModelOutputWithPast`` plus ``dspark_hidden`` [b, s, targets·dim] (``output_dspark_hidden=True``)."""
+
+    dspark_hidden: torch.Tensor | None = None
+
+
+@dataclass
 class DeepseekV41DecodeOutput(BaseModelOutputWithPast):
     """The backbone's output for a causal LM's decode step replayed as a CUDA graph, which runs the head inside the
     graph: ``BaseModelOutputWithPast`` plus those fp32 logits [b, n, vocab]."""
@@ -521,11 +567,13 @@ class DeepseekV41CausalLMOutput(CausalLMOutputWithPast):
     the model), so tools that run the backbone and apply the head themselves (TRL's chunked LM head) read it here."""
 
     last_hidden_state: torch.Tensor | None = None
+    dspark_hidden: torch.Tensor | None = None
 
 
 class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     """Backbone + fp32 head: logits are fp32 and never rounded to bf16.  ``generate()`` decodes with a
-    ``DeepseekV41Cache`` (greedy, sampling, beam search; left-padded batches)."""
+    ``DeepseekV41Cache`` (greedy, sampling, beam search; left-padded batches; assisted and prompt-lookup decoding;
+    with DSpark stages ``use_dspark=True``: self-speculative)."""
 
     _with_head = True
 
@@ -567,8 +615,43 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         output = with_cache(  # logits fp32 [b, s, vocab]
             DeepseekV41CausalLMOutput, returned_cache(backbone), loss=loss, logits=logits,
             hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state,
+            dspark_hidden=getattr(backbone, "dspark_hidden", None),
         )
         return output.to_tuple() if return_dict is False else output
+
+    def generate(self, inputs=None, *args, use_dspark: bool = False, **kwargs):
+        """transformers' ``generate``; ``use_dspark=True`` decodes self-speculatively with the DSpark draft stages
+        (``dspark.speculative_generate``: greedy gives plain greedy decoding's tokens, sampling keeps the target's
+        distribution) and records the drafted tokens accepted per step in ``self.dspark_stats``."""
+        if not use_dspark:
+            return super().generate(inputs, *args, **kwargs)
+        from .dspark import speculative_generate
+
+        if args:
+            raise TypeError("generate(use_dspark=True) takes keyword arguments only (besides the input ids)")
+        config = kwargs.pop("generation_config", None) or self.generation_config
+        options = {
+            "input_ids": kwargs.pop("input_ids", inputs), "attention_mask": kwargs.pop("attention_mask", None),
+            "max_new_tokens": kwargs.pop("max_new_tokens", None) or config.max_new_tokens or 20,
+            "do_sample": kwargs.pop("do_sample", config.do_sample),
+            "temperature": kwargs.pop("temperature", config.temperature if config.temperature is not None else 1.0),
+            "eos_token_id": kwargs.pop("eos_token_id", config.eos_token_id),
+            "pad_token_id": kwargs.pop("pad_token_id", config.pad_token_id),
+            "generator": kwargs.pop("generator", None),
+        }
+        kwargs.pop("use_cache", None)
+        if kwargs:
+            raise ValueError(f"generate(use_dspark=True) does not take {sorted(kwargs)}: it supports input_ids, "
+                             "attention_mask, max_new_tokens, do_sample, temperature, eos_token_id, pad_token_id")
+        sequences, self.dspark_stats = speculative_generate(self, **options)
+        return sequences
+
+    def dspark_cache(self, batch_size: int, max_cache_len: int, rollback_tokens: int) -> DeepseekV41Cache:
+        """The cache self-speculative decoding verifies with: one that can undo ``rollback_tokens`` positions (a
+        static one on CUDA, as generate's)."""
+        if self.device.type == "cuda":
+            return self.static_cache(batch_size, max_cache_len, rollback_tokens)
+        return DeepseekV41Cache(self.config, rollback_tokens=rollback_tokens)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [b, s, dim] -> fp32 logits [b, s, vocab]: the head kernel on a plain head; a wrapped or replaced
@@ -608,7 +691,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             logits.append(out[1])
         return torch.cat(hidden, 1), torch.cat(logits, 1)
 
-    def static_cache(self, batch_size: int, max_cache_len: int) -> DeepseekV41StaticCache:
+    def static_cache(self, batch_size: int, max_cache_len: int, rollback_tokens: int = 0) -> DeepseekV41StaticCache:
         """A ``DeepseekV41StaticCache`` for ``batch_size`` rows and at least ``max_cache_len`` positions (rounded up
         to a multiple of ``static_cache_granularity``), reset: the one this model last handed out for that shape
         when it still holds it (its buffers and its captured decode graph are reused), else a new one.  ``generate``
@@ -617,10 +700,10 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         step = self.static_cache_granularity
         length = min(-(-max_cache_len // step) * step, self.max_positions)
         pool = self.__dict__.setdefault("_static_caches", {})
-        key = (batch_size, length)
+        key = (batch_size, length, rollback_tokens)
         cache = pool.pop(key, None)
         if cache is None:
-            cache = DeepseekV41StaticCache(self.config, length)
+            cache = DeepseekV41StaticCache(self.config, length, rollback_tokens)
         cache.reset()
         pool[key] = cache  # the most recent last
         while len(pool) > self.static_cache_pool_size:
@@ -654,10 +737,17 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
                 f"cache_implementation={implementation!r} is not supported by DeepSeek-V4.1: use 'static' (a "
                 "preallocated DeepseekV41StaticCache; the default on CUDA) or 'dynamic' (a growing DeepseekV41Cache)"
             )
+        # assisted / prompt-lookup decoding (and an assistant's own generate) undo rejected candidates with crop: a
+        # cache that can roll back that far (at most the whole generation)
+        assisted = getattr(generation_mode, "value", generation_mode) == "assisted_generation" or bool(
+            getattr(generation_config, "is_assistant", False))
+        spare = max_cache_length if assisted else 0
+        rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
         if implementation == "static" or (implementation is None and self.device.type == "cuda"):
-            rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
             length = max(max_cache_length, generation_config.max_cache_len or 0)
-            model_kwargs[name] = self.static_cache(rows, length)
+            model_kwargs[name] = self.static_cache(rows, length, spare)
+        elif assisted:  # transformers' assisted loop needs the cache before the prefill
+            model_kwargs[name] = DeepseekV41Cache(self.config, rollback_tokens=spare)
 
     def prepare_inputs_for_generation(
         self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None, cache=None, use_cache=None,
@@ -831,9 +921,10 @@ def validate_inputs(model, input_ids, attention_mask, position_ids, use_cache, c
     for key in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx"):
         if key in extra:
             raise ValueError(f"packed (THD) inputs ({key}) are not supported: pad each sequence in its own row")
-    for key in ("mtp", "dspark", "num_draft_tokens", "output_dspark"):
+    for key in ("mtp", "dspark", "num_draft_tokens", "use_dspark"):
         if key in extra:
-            raise NotImplementedError("DSpark/MTP draft stages are not implemented (their mtp.* weights are skipped)")
+            raise ValueError(f"forward takes no {key}=: the DSpark stages draft in generate(..., use_dspark=True); "
+                             "forward(output_dspark_hidden=True) returns their input")
     if extra:
         raise TypeError(f"forward got unexpected keyword arguments {sorted(extra)}")
     if input_ids is None:

@@ -37,7 +37,7 @@ RELEASED_QUANTIZATION_CONFIG = {
     "expert_dtype": "fp4",
 }
 _FP8_LINEARS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
-                          r"|engram\.wkv)\.weight$")
+                          r"|engram\.wkv|main_proj)\.weight$")  # main_proj: DSpark stage 0's input projection
 _FP4_EXPERTS = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 _FP8_TABLES = re.compile(r"\.engram\.embed\.weight$")
 _F32_NAMES = re.compile(r"(\.attn_sink|\.hc_(attn|ffn)_(fn|base|scale)|\.ffn\.gate\.bias(_vl)?)$")

@@ -17,7 +17,8 @@ from golden_fixtures import fixture_names, materialize
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN_FIXTURES = fixture_names()  # every fixture of tests/fixtures/manifest.json
+DSPARK_FIXTURE = "v41_tiny_dspark"  # the text fixture's model plus DSpark stages: its own tests (test_dspark.py)
+GOLDEN_FIXTURES = [n for n in fixture_names() if n != DSPARK_FIXTURE]  # the backbone fixtures tests/parity runs
 _golden_root: Path | None = None  # set for the session by the `golden_root` fixture
 
 

@@ -313,8 +313,8 @@ def test_cache_contents_and_errors(model_fp32, golden_ids):
         model_fp32(golden_ids[:, :4], past_key_values=DynamicCache())
     with pytest.raises(ValueError, match="must all be real tokens"):
         model_fp32(golden_ids[:, 21:22], cache=cache, attention_mask=torch.tensor([[1] * 21 + [0]] * 2))
-    with pytest.raises(NotImplementedError, match="cropped"):
-        cache.crop(1)
+    with pytest.raises(ValueError, match="rollback_tokens=0 positions to undo"):  # made without room to undo
+        cache.crop(-1)
     with pytest.raises(ValueError, match="holes"):
         model_fp32(golden_ids[:, :4], attention_mask=torch.tensor([[1, 0, 1, 1]] * 2))
     with pytest.raises(ValueError, match="hash the padding"):

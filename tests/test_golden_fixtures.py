@@ -8,11 +8,11 @@ import shutil
 
 import golden_fixtures as gf
 import pytest
-from conftest import GOLDEN_FIXTURES, golden_dir, official_dir
+from conftest import DSPARK_FIXTURE, GOLDEN_FIXTURES, golden_dir, official_dir
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-TEXT, VISION = "v41_tiny_text", "v41_tiny_vision"
+TEXT, VISION, DSPARK = "v41_tiny_text", "v41_tiny_vision", DSPARK_FIXTURE
 
 
 def sha(path):
@@ -27,10 +27,11 @@ def fixtures_copy(tmp_path):
 
 def test_every_fixture_is_collected_and_materializes_to_the_original_files():
     manifest = json.loads(gf.MANIFEST.read_text())
-    assert GOLDEN_FIXTURES == sorted(manifest) == [TEXT, VISION]  # what tests/parity parametrizes over
-    assert manifest[VISION]["base"] == TEXT and "base" not in manifest[TEXT]
+    assert GOLDEN_FIXTURES == [TEXT, VISION]  # what tests/parity parametrizes over
+    assert sorted(manifest) == [DSPARK, TEXT, VISION]
+    assert manifest[VISION]["base"] == manifest[DSPARK]["base"] == TEXT and "base" not in manifest[TEXT]
     tensors = {}
-    for name in GOLDEN_FIXTURES:
+    for name in [*GOLDEN_FIXTURES, DSPARK]:
         folder = golden_dir(name)
         files = {p.relative_to(folder).as_posix(): sha(p) for p in folder.rglob("*") if p.is_file()}
         assert files == manifest[name]["files"], name  # every file of the original, byte for byte
@@ -42,7 +43,9 @@ def test_every_fixture_is_collected_and_materializes_to_the_original_files():
         assert held == index, name
         tensors[name] = len(index)
         assert (folder / "snapshot" / "tokenizer.json").read_bytes() == gf.package_tokenizer().read_bytes()
-    assert tensors == {TEXT: 734, VISION: 734 + 35}
+    # the DSpark stages: 3 blocks of 53 tensors (4 experts; no compressor, indexer or Engram), main_proj (+ scale)
+    # and main_norm, the last stage's norm, Markov head (embed, head) and confidence head
+    assert tensors == {TEXT: 734, VISION: 734 + 35, DSPARK: 734 + 3 * 53 + 3 + 4}
 
 
 def test_the_repository_stores_each_tensor_once_and_no_tokenizer():
@@ -59,10 +62,10 @@ def test_pack_reproduces_the_stored_fixtures(tmp_path):
     # complete fixtures (as in the team folder the repository's came from) -> the compact form, unchanged
     complete = tmp_path / "complete"
     complete.mkdir()
-    for name in GOLDEN_FIXTURES:
+    for name in [*GOLDEN_FIXTURES, DSPARK]:
         shutil.copytree(golden_dir(name), complete / name)
     packed = tmp_path / "packed"
-    gf.pack(complete, {VISION: TEXT}, packed)
+    gf.pack(complete, {VISION: TEXT, DSPARK: TEXT}, packed)
     ours = {p.relative_to(gf.FIXTURES).as_posix(): sha(p) for p in gf.FIXTURES.rglob("*") if p.is_file()}
     assert {p.relative_to(packed).as_posix(): sha(p) for p in packed.rglob("*") if p.is_file()} == ours
 

@@ -74,9 +74,11 @@ def test_a_foreign_cache_is_refused(model):  # use_cache=True returns a Deepseek
         model(IDS, past_key_values=DynamicCache())
 
 
-def test_dspark_is_not_implemented(model):
-    with pytest.raises(NotImplementedError, match="DSpark"):
+def test_dspark_arguments_point_to_generate(model):
+    with pytest.raises(ValueError, match=r"generate\(\.\.\., use_dspark=True\)"):
         model(IDS, dspark=True)
+    with pytest.raises(ValueError, match="needs the DSpark draft stages: this model has none"):
+        model(IDS, output_dspark_hidden=True)  # the tiny model is built with num_nextn_predict_layers 0
 
 
 def test_tensor_parallel_loading_is_not_implemented(tmp_path):

@@ -176,10 +176,12 @@ def test_full_config_builds_on_meta_with_552b_backbone(v4_tokenizer):
     assert config.text_config.num_hidden_layers == 40 and config.text_config.n_routed_experts == 384
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(config, tokenizer=v4_tokenizer)
-    counts = {"backbone": 0, "engram_tables": 0, "vision": 0}
+    counts = {"backbone": 0, "engram_tables": 0, "vision": 0, "dspark": 0}
     for name, param in model.named_parameters():
         assert param.device.type == "meta"
-        if ".engram.embed." in name:
+        if name.startswith("mtp."):
+            counts["dspark"] += param.numel()
+        elif ".engram.embed." in name:
             counts["engram_tables"] += param.numel()
         elif name.startswith(("vision.", "aligner.", "image_")):
             counts["vision"] += param.numel()
@@ -188,6 +190,10 @@ def test_full_config_builds_on_meta_with_552b_backbone(v4_tokenizer):
     print({k: f"{v / 1e9:.3f}B" for k, v in counts.items()})
     assert abs(counts["backbone"] / 552e9 - 1) < 0.01
     assert counts["engram_tables"] == (384006168 + 384016682) * 256
+    # three DSpark stages: each a block with 128 routed experts (~4.7B), plus main_proj, the Markov head (2 x 129280
+    # x 256) and the confidence head; with the vision tower they make up transformers' 763B in total
+    assert len(model.mtp) == 3 and abs(counts["dspark"] / 14.2e9 - 1) < 0.01
+    assert abs(sum(counts.values()) / 763e9 - 1) < 0.01
 
 
 def test_backend_validation_errors():

@@ -78,6 +78,8 @@ def build_config(recipe: dict, path: Path) -> DeepseekV41Config:
     config = DeepseekV41Config.from_pretrained(path)
     _apply_overrides(config.text_config, cfg["text_config"], "text_config")
     _apply_overrides(config.vision_config, cfg["vision_config"], "vision_config")
+    # the DSpark draft stages are not fine-tuned here: the training model builds none (sharded_load skips mtp.*)
+    config.text_config.num_nextn_predict_layers = 0
     config.text_config.validate_layout()
     config.backend = resolve_backend({**config.backend, **cfg["backend"]})
     config._name_or_path = str(cfg["name_or_path"] or path)

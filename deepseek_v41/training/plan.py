@@ -211,6 +211,7 @@ def load_config(recipe: dict):
         config, source = DeepseekV41Config(), "the released DeepSeek-V4.1-Flash config (no checkpoint folder found)"
     _apply_overrides(config.text_config, cfg["text_config"], "text_config")
     _apply_overrides(config.vision_config, cfg["vision_config"], "vision_config")
+    config.text_config.num_nextn_predict_layers = 0  # as model_setup.build_config: training builds no DSpark stages
     return config, source
 
 

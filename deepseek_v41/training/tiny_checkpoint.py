@@ -166,66 +166,91 @@ class _Writer:
         self.tensors[f"{name}.weight"], self.tensors[f"{name}.scale"] = q, scale
 
 
+def _block_tensors(w: _Writer, p: str, text: dict, i: int, n_experts: int, has_vision: bool) -> None:
+    """One block's released tensors under prefix `p` (`layers.{i}` or a DSpark stage `mtp.{k}`; a stage's layer
+    index i is past the backbone, so it owns no compressor, indexer or Engram)."""
+    d, m = text["hidden_size"], text["hc_mult"]
+    heads, head_dim, q_rank = text["num_attention_heads"], text["head_dim"], text["q_lora_rank"]
+    groups, o_rank, inter = text["o_groups"], text["o_lora_rank"], text["moe_intermediate_size"]
+    index_dim, index_heads = text["index_head_dim"], text["index_n_heads"]
+    engram_width = (text["engram_max_ngram_size"] - 1) * text["engram_n_heads"] * text["engram_head_dim"]
+    w.norm(f"{p}.attn_norm.weight", d)
+    w.norm(f"{p}.ffn_norm.weight", d)
+    for mix in ("attn", "ffn"):  # mHC: [pre m | post m | residual m x m] coefficients
+        w.f32(f"{p}.hc_{mix}_fn", ((2 + m) * m, m * d), (m * d) ** -0.5)
+        base = w.normal(((2 + m) * m,), 0.5)
+        base[2 * m:] += 3.0 * torch.eye(m).reshape(-1)  # near-identity residual mix
+        w.tensors[f"{p}.hc_{mix}_base"] = base
+        w.tensors[f"{p}.hc_{mix}_scale"] = torch.rand(3, generator=w.generator) * 0.5 + 0.2
+    w.linear(f"{p}.attn.wq_a", q_rank, d, "fp8")
+    w.norm(f"{p}.attn.q_norm.weight", q_rank)
+    w.linear(f"{p}.attn.wq_b", heads * head_dim, q_rank, "fp8")
+    w.linear(f"{p}.attn.wkv", head_dim, d, "fp8")
+    w.norm(f"{p}.attn.kv_norm.weight", head_dim)
+    w.linear(f"{p}.attn.wo_a", groups * o_rank, heads * head_dim // groups, "fp8")
+    w.linear(f"{p}.attn.wo_b", d, groups * o_rank, "fp8", gain=0.1)
+    w.f32(f"{p}.attn.attn_sink", (heads,), 0.4, mean=1.0)
+    if i in text["kv_source_layer_ids"]:  # Full layer: own compressor and index keys
+        w.linear(f"{p}.attn.compressor.wkv", head_dim, d, "bf16")
+        if text["compress_ratios"][i] == 2:
+            w.linear(f"{p}.attn.compressor.wgate", head_dim, d, "bf16")
+        w.norm(f"{p}.attn.compressor.norm.weight", head_dim)
+        w.linear(f"{p}.attn.indexer.wk", index_dim, head_dim, "bf16")
+        w.norm(f"{p}.attn.indexer.k_norm.weight", index_dim)
+    if i in text["index_source_layer_ids"]:  # Full or Reindex layer: own indexer queries
+        w.linear(f"{p}.attn.indexer.wq_b", index_heads * index_dim, q_rank, "fp8")
+        w.linear(f"{p}.attn.indexer.weights_proj", index_heads, d, "bf16")
+    if i in text["engram_layer_ids"]:
+        rows = text["engram_num_embeddings"][text["engram_layer_ids"].index(i)]
+        table = w.normal((rows, text["engram_head_dim"]), 0.5)
+        w.tensors[f"{p}.engram.embed.weight"], w.tensors[f"{p}.engram.embed.scale"] = encode_fp8_rows(table)
+        w.linear(f"{p}.engram.wkv", (m + 1) * d, engram_width, "fp8")
+        w.bf16(f"{p}.engram.q_weight", (m, d), 0.2, mean=1.0)
+        w.bf16(f"{p}.engram.k_weight", (m, d), 0.2, mean=1.0)
+    w.linear(f"{p}.ffn.gate", n_experts, d, "bf16")
+    w.f32(f"{p}.ffn.gate.bias", (n_experts,), 0.3)
+    if has_vision:
+        w.f32(f"{p}.ffn.gate.bias_vl", (n_experts,), 0.3)
+    shared = inter * text["n_shared_experts"]
+    w.linear(f"{p}.ffn.shared_experts.w1", shared, d, "fp8")
+    w.linear(f"{p}.ffn.shared_experts.w2", d, shared, "fp8", gain=0.1)
+    w.linear(f"{p}.ffn.shared_experts.w3", shared, d, "fp8")
+    for e in range(n_experts):
+        w.linear(f"{p}.ffn.experts.{e}.w1", inter, d, "fp4")
+        w.linear(f"{p}.ffn.experts.{e}.w2", d, inter, "fp4", gain=0.1)
+        w.linear(f"{p}.ffn.experts.{e}.w3", inter, d, "fp4")
+
+
+def dspark_tensors(w: _Writer, text: dict, has_vision: bool) -> None:
+    """The DSpark draft stages `mtp.{k}` in released formats (none unless `num_nextn_predict_layers` and
+    `dspark_block_size` are set): full blocks with their own routed experts, stage 0's FP8 `main_proj` over the
+    target layers' concatenated stream means plus `main_norm`, and on the last stage the final `norm`, the BF16
+    Markov head (`embed` / `head` [vocab, dspark_markov_rank]) and the confidence head (`proj` [1, dim + rank])."""
+    n_stages = text["num_nextn_predict_layers"] if text["dspark_block_size"] else 0
+    d, rank = text["hidden_size"], text["dspark_markov_rank"]
+    for k in range(n_stages):
+        p = f"mtp.{k}"
+        _block_tensors(w, p, text, text["num_hidden_layers"] + k, text["dspark_n_routed_experts"], has_vision)
+        if k == 0:
+            w.linear(f"{p}.main_proj", d, d * len(text["dspark_target_layer_ids"]), "fp8")
+            w.norm(f"{p}.main_norm.weight", d)
+        if k == n_stages - 1:
+            w.norm(f"{p}.norm.weight", d)
+            w.bf16(f"{p}.markov_head.embed.weight", (text["vocab_size"], rank), 1.0)
+            w.linear(f"{p}.markov_head.head", text["vocab_size"], rank, "bf16", gain=0.5)
+            w.linear(f"{p}.confidence_head.proj", 1, d + rank, "bf16")
+
+
 def released_tensors(config: dict, seed: int = 0) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
     """Random released-format tensors for `config` and their grouping into shards (golden layout)."""
     text, vision = config["text_config"], config["vision_config"]
-    d, m = text["hidden_size"], text["hc_mult"]
-    heads, head_dim, q_rank = text["num_attention_heads"], text["head_dim"], text["q_lora_rank"]
-    groups, o_rank = text["o_groups"], text["o_lora_rank"]
-    inter, n_experts = text["moe_intermediate_size"], text["n_routed_experts"]
-    index_dim, index_heads = text["index_head_dim"], text["index_n_heads"]
-    engram_width = (text["engram_max_ngram_size"] - 1) * text["engram_n_heads"] * text["engram_head_dim"]
+    d, n_experts = text["hidden_size"], text["n_routed_experts"]
     has_vision = vision["num_hidden_layers"] > 0
     w = _Writer(seed)
     layer_names = []
     for i in range(text["num_hidden_layers"]):
         before = set(w.tensors)
-        p = f"layers.{i}"
-        w.norm(f"{p}.attn_norm.weight", d)
-        w.norm(f"{p}.ffn_norm.weight", d)
-        for mix in ("attn", "ffn"):  # mHC: [pre m | post m | residual m x m] coefficients
-            w.f32(f"{p}.hc_{mix}_fn", ((2 + m) * m, m * d), (m * d) ** -0.5)
-            base = w.normal(((2 + m) * m,), 0.5)
-            base[2 * m:] += 3.0 * torch.eye(m).reshape(-1)  # near-identity residual mix
-            w.tensors[f"{p}.hc_{mix}_base"] = base
-            w.tensors[f"{p}.hc_{mix}_scale"] = torch.rand(3, generator=w.generator) * 0.5 + 0.2
-        w.linear(f"{p}.attn.wq_a", q_rank, d, "fp8")
-        w.norm(f"{p}.attn.q_norm.weight", q_rank)
-        w.linear(f"{p}.attn.wq_b", heads * head_dim, q_rank, "fp8")
-        w.linear(f"{p}.attn.wkv", head_dim, d, "fp8")
-        w.norm(f"{p}.attn.kv_norm.weight", head_dim)
-        w.linear(f"{p}.attn.wo_a", groups * o_rank, heads * head_dim // groups, "fp8")
-        w.linear(f"{p}.attn.wo_b", d, groups * o_rank, "fp8", gain=0.1)
-        w.f32(f"{p}.attn.attn_sink", (heads,), 0.4, mean=1.0)
-        if i in text["kv_source_layer_ids"]:  # Full layer: own compressor and index keys
-            w.linear(f"{p}.attn.compressor.wkv", head_dim, d, "bf16")
-            if text["compress_ratios"][i] == 2:
-                w.linear(f"{p}.attn.compressor.wgate", head_dim, d, "bf16")
-            w.norm(f"{p}.attn.compressor.norm.weight", head_dim)
-            w.linear(f"{p}.attn.indexer.wk", index_dim, head_dim, "bf16")
-            w.norm(f"{p}.attn.indexer.k_norm.weight", index_dim)
-        if i in text["index_source_layer_ids"]:  # Full or Reindex layer: own indexer queries
-            w.linear(f"{p}.attn.indexer.wq_b", index_heads * index_dim, q_rank, "fp8")
-            w.linear(f"{p}.attn.indexer.weights_proj", index_heads, d, "bf16")
-        if i in text["engram_layer_ids"]:
-            rows = text["engram_num_embeddings"][text["engram_layer_ids"].index(i)]
-            table = w.normal((rows, text["engram_head_dim"]), 0.5)
-            w.tensors[f"{p}.engram.embed.weight"], w.tensors[f"{p}.engram.embed.scale"] = encode_fp8_rows(table)
-            w.linear(f"{p}.engram.wkv", (m + 1) * d, engram_width, "fp8")
-            w.bf16(f"{p}.engram.q_weight", (m, d), 0.2, mean=1.0)
-            w.bf16(f"{p}.engram.k_weight", (m, d), 0.2, mean=1.0)
-        w.linear(f"{p}.ffn.gate", n_experts, d, "bf16")
-        w.f32(f"{p}.ffn.gate.bias", (n_experts,), 0.3)
-        if has_vision:
-            w.f32(f"{p}.ffn.gate.bias_vl", (n_experts,), 0.3)
-        shared = inter * text["n_shared_experts"]
-        w.linear(f"{p}.ffn.shared_experts.w1", shared, d, "fp8")
-        w.linear(f"{p}.ffn.shared_experts.w2", d, shared, "fp8", gain=0.1)
-        w.linear(f"{p}.ffn.shared_experts.w3", shared, d, "fp8")
-        for e in range(n_experts):
-            w.linear(f"{p}.ffn.experts.{e}.w1", inter, d, "fp4")
-            w.linear(f"{p}.ffn.experts.{e}.w2", d, inter, "fp4", gain=0.1)
-            w.linear(f"{p}.ffn.experts.{e}.w3", inter, d, "fp4")
+        _block_tensors(w, f"layers.{i}", text, i, n_experts, has_vision)
         layer_names.append(sorted(set(w.tensors) - before))
 
     w.bf16("embed.weight", (text["vocab_size"], d), 1.0)
@@ -252,6 +277,7 @@ def released_tensors(config: dict, seed: int = 0) -> tuple[dict[str, torch.Tenso
         w.bf16("aligner.w2.bias", (d,), 0.02)
         for name in ("image_start", "image_end", "image_newline"):
             w.bf16(name, (d,), 1.0)
+    dspark_tensors(w, text, has_vision)  # after everything else: the backbone's random values stay the same
 
     # Golden layout: embed + the first half of the layers, the other half, then head/norm/vision.
     half = (len(layer_names) + 1) // 2

@@ -1,0 +1,143 @@
+"""What verifying a DSpark draft costs: one forward over ``dspark_block_size`` + 1 tokens against a one-token decode
+step, in the same run (issue 42).
+
+GPU: the 4-layer released-width proxy of ``train_step.py`` plus three DSpark stages of the released shape (128
+experts top-3, blocks of 5, Markov rank 256, reading layers 1-3), random weights, bf16: acceptance means nothing
+here, so the step times are measured and the speed-up is derived from them.  At each ``--contexts`` length, after a
+prefill into a static cache that can undo a block:
+
+* ``step``: one decode step as ``generate`` runs it (``decode.py``'s call; ``--mode cuda_graph``: replayed graph);
+* ``verify``: the forward over [last token, B drafts] with the stages' input (``output_dspark_hidden=True``, what
+  ``generate(use_dspark=True)`` runs), then rolled back (untimed);
+* ``verify_columns``: the same B + 1 columns without the stages' input (each column a ``step``): the floor of the
+  current column-by-column verification;
+* ``draft``: ``dspark.draft_block`` (the stages once over the block, the Markov chain over its B positions).
+
+Printed: milliseconds of each (mean over ``--reps``), verify / step (issue 42's target: <= 1.5), kernels per call and
+GPU-busy share (torch.profiler; ``decode.py``'s definition) of ``step`` and ``verify``, and the tokens/s a real
+checkpoint would reach at SGLang's acceptance (``--accepted``, 5.4 tokens per step): accepted / (draft + verify)
+against 1 / step.
+
+    python examples/benchmarks/dspark_verify.py [--contexts 4096 32768] [--out examples/benchmarks/results/dspark_verify_h200.txt]
+    python examples/benchmarks/dspark_verify.py --device cpu      # a tiny config: checks the script runs
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from deepseek_v41.dspark import DSparkState, draft_block
+from deepseek_v41.modeling_deepseek_v41 import GENERATE_DECODE_STEP, DeepseekV41ForCausalLM, default_dtype
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import profile_steps, time_steps, tokenizer
+
+DSPARK = {"num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+          "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3}
+
+
+def build_model(device):
+    from deepseek_v41 import DeepseekV41Config
+
+    torch.manual_seed(0)
+    if device.type == "cpu":
+        text = {"vocab_size": 129280, "hidden_size": 64, "moe_intermediate_size": 64, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 64,
+                "o_lora_rank": 32, "o_groups": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                "sliding_window": 16, "compress_ratios": [2, 2, 1, 1], "kv_source_layer_ids": [0, 2],
+                "index_source_layer_ids": [0, 2, 3], "candidate_source_layer_id": 2, "index_n_heads": 8,
+                "index_head_dim": 32, "index_topk": 8, "candidate_topk_blocks": 4, "candidate_block_size": 4,
+                "engram_layer_ids": [1], "engram_num_embeddings": [1464], "engram_vocab_size": 97,
+                "engram_n_heads": 4, "engram_head_dim": 32}
+        text.update(DSPARK, dspark_markov_rank=8, dspark_n_routed_experts=8, dspark_target_layer_ids=[1, 2, 3],
+                    compress_ratios=[2, 2, 1, 1, 0, 0, 0])
+        config, dtype = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0}), torch.float32
+    else:
+        from train_step import proxy_config
+
+        from deepseek_v41.kernels_tilelang import tilelang_available
+
+        config = proxy_config({"attn": "tilelang" if tilelang_available()[0] else "torch", "experts": "torch_mm"})
+        text = config.text_config
+        for key, value in DSPARK.items():
+            setattr(text, key, value)
+        text.dspark_target_layer_ids = list(range(1, text.num_hidden_layers))[-3:]
+        text.compress_ratios = text.compress_ratios[: text.num_hidden_layers] + [0] * 3
+        dtype = torch.bfloat16
+    with torch.device(device), default_dtype(dtype):
+        model = DeepseekV41ForCausalLM(config, tokenizer=tokenizer())
+    return model.eval()
+
+
+@torch.inference_mode()
+def measure(model, ids, block, args, device) -> str:
+    """One table row: the calls at context ids.shape[1] (see the module docstring)."""
+    text, B = model.config.text_config, block.shape[1] - 1
+    if device.type == "cuda" and model.config.backend["attn"] == "tilelang":
+        model(ids, logits_to_keep=1)  # TileLang builds its kernels for this prefill shape
+    # the timed calls leave their positions in the cache (it has room): a few hundred positions past the context
+    # by the end, which changes nothing measurable; rollback (generate(use_dspark=True) runs it after each
+    # verification: a host read of the counts) is timed on its own
+    cache = model.dspark_cache(1, ids.shape[1] + 16 * args.reps + 128, B)
+    out = model(ids, cache=cache, logits_to_keep=1, output_dspark_hidden=True)
+    state = DSparkState(model.mtp, text.sliding_window)
+    state.add(model.mtp, out.dspark_hidden)
+    token = out.logits[:, -1:].argmax(-1)
+    model.decode_graph = args.mode
+    calls = {
+        "step": lambda: model(token, cache=cache, **{GENERATE_DECODE_STEP: True}),
+        "verify": lambda: model(block, cache=cache, output_dspark_hidden=True),
+        "verify_columns": lambda: model(block, cache=cache, **{GENERATE_DECODE_STEP: True}),
+        "draft": lambda: draft_block(model, state, token[:, 0]),
+        "rollback": lambda: cache.rollback(0),
+    }
+    for call in calls.values():  # warm-up (a graph mode captures its graph here)
+        call()
+        call()
+    ms = {name: 1e3 * time_steps(call, args.reps, device) for name, call in calls.items()}
+    k_step, busy_step = profile_steps(calls["step"], 3, device)
+    k_verify, busy_verify = profile_steps(calls["verify"], 3, device)
+    plain = 1e3 / ms["step"]
+    spec = args.accepted * 1e3 / (ms["draft"] + ms["verify"] + ms["rollback"])
+    return (f"{ids.shape[1]:7d} {ms['step']:8.2f} {ms['verify']:10.2f} {ms['verify_columns']:18.2f} "
+            f"{ms['draft']:9.2f} {ms['rollback']:12.3f} {ms['verify'] / ms['step']:12.2f} {k_step:10.0f}/"
+            f"{k_verify:<8.0f} {100 * busy_step:10.1f}/{100 * busy_verify:<9.1f} {plain:12.1f} {spec:14.1f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
+    parser.add_argument("--mode", default="cuda_graph", help="decode step mode (decode.py): cuda_graph or off")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--accepted", type=float, default=5.4, help="tokens per step at the projection (SGLang)")
+    parser.add_argument("--out", type=Path, help="append the table to this file")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    model = build_model(device)
+    text = model.config.text_config
+    B = text.dspark_block_size
+    title = (f"{text.num_hidden_layers}-layer proxy + {len(model.mtp)} DSpark stages (blocks of {B}, "
+             f"{text.dspark_n_routed_experts} experts top-{text.dspark_num_experts_per_tok}), {model.embed.weight.dtype}, "
+             f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, step mode {args.mode}")
+    header = ("context  step ms  verify ms  verify_columns ms  draft ms  rollback ms  verify/step  kernels step/verify  "
+              f"GPU busy % step/verify  tok/s plain  tok/s at {args.accepted} accepted")
+    lines = [title, header]
+    print("\n".join(lines), flush=True)
+    generator = torch.Generator().manual_seed(0)
+    for ctx in args.contexts:
+        ids = torch.randint(3, 129000, (1, ctx), generator=generator).to(device)
+        block = torch.randint(3, 129000, (1, B + 1), generator=generator).to(device)
+        line = measure(model, ids, block, args, device)
+        print(line, flush=True)
+        lines.append(line)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            f.write("\n".join(lines) + "\n\n")
+
+
+if __name__ == "__main__":
+    main()
