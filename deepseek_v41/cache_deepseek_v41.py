@@ -337,7 +337,9 @@ class DeepseekV41Cache(Cache):
                 if t.shape[0] != self.batch_size or t.shape[-1] != widths[name]:
                     raise ValueError(f"{where} has shape {tuple(t.shape)}; this model needs [{self.batch_size}, ·, "
                                      f"{widths[name]}]; {fix}")
-                want = torch.float32 if name.startswith("carry") else dtype
+                # compressor carries are fp32; the static cache keeps index keys in fp32 too (its step reads them so)
+                fp32 = name.startswith("carry") or (name == "index_k" and isinstance(self, DeepseekV41StaticCache))
+                want = torch.float32 if fp32 else dtype
                 if t.dtype != want:
                     raise ValueError(f"{where} is {t.dtype} but this model computes in {want}; {fix}, or cast the "
                                      "model back to the dtype that filled the cache")
