@@ -619,8 +619,8 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         )
         return output.to_tuple() if return_dict is False else output
 
-    def generate(self, inputs=None, *args, use_dspark: bool = False, **kwargs):
-        """transformers' ``generate``; ``use_dspark=True`` decodes self-speculatively with the DSpark draft stages
+    def _dspark_generate(self, inputs=None, *args, use_dspark: bool = True, **kwargs):
+        """``generate(..., use_dspark=True)``: decodes self-speculatively with the DSpark draft stages
         (``dspark.speculative_generate``: greedy gives plain greedy decoding's tokens, sampling keeps the target's
         distribution) and records the drafted tokens accepted per step in ``self.dspark_stats``."""
         if not use_dspark:
@@ -664,6 +664,10 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         """``GenerationMixin.generate`` after the checks transformers does not make (``check_generate_arguments``):
         special token ids inside the vocabulary, ``num_beams`` / ``num_return_sequences`` bounded by the vocabulary
         and by the memory they would take, a passed cache made by this model."""
+        if kwargs.pop("use_dspark", False):  # self-speculative decoding with the DSpark stages
+            if generation_config is not None:
+                kwargs["generation_config"] = generation_config
+            return self._dspark_generate(inputs, **kwargs)
         check_generate_arguments(self, inputs, generation_config, kwargs)
         return super().generate(inputs, generation_config, **kwargs)
 

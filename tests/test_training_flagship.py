@@ -85,6 +85,7 @@ def reference_losses(checkpoint, out, args, updates: int) -> list:
             rank_view = SimpleNamespace(recipe=recipe, model=model, tokenizer=tokenizer, rank=rank, world=world,
                                         device=torch.device("cpu"))
             rank_view._to_device = MethodType(Trainer._to_device, rank_view)
+            rank_view._print = MethodType(Trainer._print, rank_view)
             Trainer._build_data(rank_view)
             for indices in rank_view.sampler.micro_batches(update):
                 with torch.no_grad():

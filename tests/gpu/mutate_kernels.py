@@ -132,8 +132,8 @@ MUTANTS = [
            "acc_s[h, r] * acc_dp[h, r] * scale", ATTENTION_TESTS, "TileLang backward: dS without - Delta"),
     Mutant("tilelang_indexer_no_relu", TILELANG, "r_s[m_, t] = T.max(acc[m_, t], 0) * w_s[m_]",
            "r_s[m_, t] = acc[m_, t] * w_s[m_]", ATTENTION_TESTS, "TileLang indexer: ReLU dropped"),
-    Mutant("tilelang_indexer_causal_off_by_one", TILELANG, "t0 + t < (i0 + i + 1) // ratio",
-           "t0 + t <= (i0 + i + 1) // ratio", ATTENTION_TESTS,
+    Mutant("tilelang_indexer_causal_off_by_one", TILELANG, "t0 + t < (query_offset + i0 + i + 1) // ratio",
+           "t0 + t <= (query_offset + i0 + i + 1) // ratio", ATTENTION_TESTS,
            "TileLang indexer: one compressed entry too many visible"),
 ]
 
