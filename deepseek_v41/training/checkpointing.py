@@ -589,20 +589,23 @@ def _state_bytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
 
 
-def _disk_full(error: BaseException) -> bool:
-    """Whether ``error`` (or what it wraps: DCP gathers every rank's failure) is a full disk or quota."""
+def _error_chain(error: BaseException):
+    """``error`` and everything it wraps: causes, contexts, and each rank's failure DCP gathers."""
     seen, todo = set(), [error]
     while todo:
         err = todo.pop()
         if err is None or id(err) in seen:
             continue
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
+        yield err
         if isinstance(err, CheckpointException):
             todo.extend(failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values())
         todo.extend((err.__cause__, err.__context__))
-    return False
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps: DCP gathers every rank's failure) is a full disk or quota."""
+    return any(isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT) for err in _error_chain(error))
 
 
 class CheckpointSaveError(OSError):
@@ -611,18 +614,8 @@ class CheckpointSaveError(OSError):
 
 def _vanished(error: BaseException) -> bool:
     """Whether ``error`` (or a rank's failure it wraps) is a file that no longer exists."""
-    seen, todo = set(), [error]
-    while todo:
-        err = todo.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, FileNotFoundError) or "No such file or directory" in str(err):
-            return True
-        if isinstance(err, CheckpointException):
-            todo.extend(failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values())
-        todo.extend((err.__cause__, err.__context__))
-    return False
+    return any(isinstance(err, FileNotFoundError) or "No such file or directory" in str(err)
+               for err in _error_chain(error))
 
 
 # ---- save ----------------------------------------------------------------------------------------
