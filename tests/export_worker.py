@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torchrun_launch import mark
+from torchrun_launch import mark, say
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def main(checkpoint: str, out: Path) -> None:
     try:
         export_model(trainer, out / "nan_export", None)
     except ExportError as error:
-        print(f"NAN REFUSED on rank {dist.get_rank()}: {error}", flush=True)
+        say(f"NAN REFUSED on rank {dist.get_rank()}: {error}")
     dist.barrier()
     # a multi-shard export of ours with one shard damaged (same size) that rank 1 verifies: the trainer's load
     # stops every rank naming it, before any tensor is read (each shard is compared by one rank)
@@ -64,7 +64,7 @@ def main(checkpoint: str, out: Path) -> None:
         header = 8 + int.from_bytes(data[:8], "little")
         data[header + 64 : header + 72] = bytes(b ^ 0xFF for b in data[header + 64 : header + 72])
         damaged.write_bytes(data)
-        print(f"DAMAGED {damaged} of {len(files)} shards", flush=True)
+        say(f"DAMAGED {damaged} of {len(files)} shards")
     dist.barrier()
     embed = trainer.model.embed.weight
     before = (embed.to_local() if hasattr(embed, "to_local") else embed).clone()
@@ -72,8 +72,8 @@ def main(checkpoint: str, out: Path) -> None:
         load_sharded_checkpoint(trainer.model, out / "damaged")
     except CheckpointError as error:
         after = embed.to_local() if hasattr(embed, "to_local") else embed
-        print(f"DAMAGED SHARD REFUSED on rank {dist.get_rank()} (weights untouched: {torch.equal(before, after)}): "
-              f"{error}", flush=True)
+        say(f"DAMAGED SHARD REFUSED on rank {dist.get_rank()} (weights untouched: {torch.equal(before, after)}): "
+            f"{error}")
     dist.barrier()
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_training_resume import FP32, full_state
-from torchrun_launch import assert_every_rank, mark, torchrun
+from torchrun_launch import assert_every_rank, mark, say, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
@@ -150,7 +150,7 @@ def _worker(argv: list) -> None:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, firsts.pop())
     if dist.get_rank() == 0:
-        print(f"EXPERTS AT REST: {sizes.pop()} of {experts.n_experts} per rank, first ids {everyone}", flush=True)
+        say(f"EXPERTS AT REST: {sizes.pop()} of {experts.n_experts} per rank, first ids {everyone}")
     folder = Path(reload)
     trainer.checkpointer.load(folder, verify_folder(folder))
     trainer.checkpointer.root = Path(recipe["output_dir"]) / "reload"

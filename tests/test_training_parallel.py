@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from torchrun_launch import assert_every_rank, mark, missing_ranks, tail, torchrun, torchrun_env  # noqa: F401
+from torchrun_launch import assert_every_rank, mark, missing_ranks, say, tail, torchrun, torchrun_env  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 NPROC = 2
@@ -247,8 +247,8 @@ def _model_case(checkpoint: str, out_dir: str, backend: str):
             err = float((g - ref).norm() / ref.norm().clamp(min=1e-12))
             assert err < 1e-4, (ep, name, err)
             worst = max(worst, err)
-        print(f"ep={ep} rank={trainer.rank}: loss={stats['loss']:.6f} ref={ref_loss.item():.6f} "
-              f"({len(grads)} gradients, worst relative error {worst:.1e})", flush=True)
+        say(f"ep={ep} rank={trainer.rank}: loss={stats['loss']:.6f} ref={ref_loss.item():.6f} "
+            f"({len(grads)} gradients, worst relative error {worst:.1e})")
         mark(f"MODEL OK ep={ep}")
 
 
@@ -274,7 +274,7 @@ if __name__ == "__main__":
                 try:
                     cases[name]()
                 except Exception:  # on stdout too, where the tests look; torchrun then stops the other rank
-                    print(f"CASE {name} FAILED on rank {dist.get_rank()}:\n{traceback.format_exc()}", flush=True)
+                    say(f"CASE {name} FAILED on rank {dist.get_rank()}:\n{traceback.format_exc()}")
                     raise
         elif case in cases:
             cases[case]()

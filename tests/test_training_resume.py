@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_launch import assert_every_rank, torchrun
+from torchrun_launch import assert_every_rank, say, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
@@ -483,8 +483,8 @@ def _worker(case: str, argv: list) -> None:
     train_step = loop.Trainer.train_step
 
     def drawing_step(self, update):
-        print(f"RNG step={update + 1} rank={self.rank} out={self.out_dir}: torch {torch.rand(2).tolist()} "
-              f"python {random.random()}", flush=True)
+        say(f"RNG step={update + 1} rank={self.rank} out={self.out_dir}: torch {torch.rand(2).tolist()} "
+            f"python {random.random()}")
         return train_step(self, update)
 
     loop.Trainer.train_step = drawing_step
@@ -517,7 +517,7 @@ def _worker(case: str, argv: list) -> None:
                 self.vanished = True
                 if dist.get_rank() == 0:
                     shutil.rmtree(folder)
-                    print(f"DELETED {folder}", flush=True)
+                    say(f"DELETED {folder}")
                 dist.barrier()
             return load(self, folder, meta, *args, **kwargs)
 

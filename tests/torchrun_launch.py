@@ -37,12 +37,16 @@ def torchrun(script, *args, nproc: int = 2, timeout: float = 300, env: dict | No
                           timeout=timeout, cwd=cwd)
 
 
+def say(text: str) -> None:
+    """Worker side: print ``TEXT`` as one line in one write. print() writes the text and the newline separately,
+    and two ranks sharing the pipe could interleave between them ("EP OK rank=0EP OK rank=1")."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{text}\n".encode())
+
+
 def mark(text: str) -> None:
     """Worker side: print ``TEXT rank=R`` (this process's global rank)."""
-    # one write of the whole line: print() writes the text and the newline separately, and two ranks sharing
-    # the pipe could interleave between them ("EP OK rank=0EP OK rank=1")
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), f"{text} rank={os.environ.get('RANK', '0')}\n".encode())
+    say(f"{text} rank={os.environ.get('RANK', '0')}")
 
 
 def ranks_with(output: str, text: str) -> set[int]:
