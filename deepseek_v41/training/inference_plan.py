@@ -40,6 +40,7 @@ import logging
 import math
 import re
 import sys
+import warnings
 
 import torch
 
@@ -246,7 +247,9 @@ def _quiet_accelerate():
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():  # and about buffers for offloaded layers: the verdict reports offloading
+            warnings.simplefilter("ignore", UserWarning)
+            yield
     finally:
         logger.setLevel(level)
 
@@ -335,7 +338,7 @@ def plan_inference(model, config, *, gpus: int, gpu_memory: int, weights: str = 
                       if first is not None and (name == first or name.startswith(first + "."))
                       and not (engram == "cpu" and ".engram.embed." in name))
     return {
-        "table": table, "device_map": device_map, "max_memory": max_memory, "per_gpu": per_gpu, "host": host,
+        "table": table, "device_map": device_map, "max_memory": max_memory, "headroom": headroom, "per_gpu": per_gpu, "host": host,
         "unplaced": unplaced, "first_unplaced": (first, first_bytes), "fits": fits, "short": short, "cache": cache_total, "cache_len": positions,
         "activations": activation_parts(text, all_layers, batch, prefill, attn, head=True),
         "gpus": gpus, "gpu_memory": gpu_memory, "usable": usable, "weights": weights, "engram": engram,
@@ -356,10 +359,11 @@ def _gib(value) -> str:
 
 
 def format_inference_plan(plan: dict, source: str) -> str:
+    held = "stored FP8/FP4 formats" if plan["weights"] == "kept" else "dequantized"
     lines = [f"model: {source}",
-             f"weights: {plan['weights']} ({'stored FP8/FP4 formats' if plan['weights'] == 'kept' else 'dequantized'})"
-             f", Engram tables on {plan['engram']}, batch {plan['batch']} x context {plan['context']} "
-             f"(static cache of {plan['cache_len']} positions), prefill {plan['prefill']} tokens, attn {plan['attn']}",
+             (f"weights: {plan['weights']} ({held}), Engram tables on {plan['engram']}, batch {plan['batch']} x "
+              f"context {plan['context']} (static cache of {plan['cache_len']} positions), prefill {plan['prefill']} "
+              f"tokens, attn {plan['attn']}"),
              "weights by format:"]
     by = weight_totals(plan["table"])
     for group in ("backbone", "vision", "DSpark", "Engram tables"):
@@ -396,6 +400,9 @@ def verdict_line(plan: dict) -> str:
     if plan["fits"]:
         tight = min(gpu["free"] for gpu in plan["per_gpu"].values())
         return f"verdict: fits ({tight / GIB:.1f} GiB free on the fullest GPU)"
+    if plan["unplaced"] and not max(plan["max_memory"].values()):
+        return (f"verdict: does NOT fit: the activations and the cache alone ({plan['headroom'] / GIB:.1f} GiB per GPU) "
+                f"exceed a GPU's usable {plan['usable'] / GIB:.1f} GiB; use a smaller --batch or --prefill-tokens")
     if plan["unplaced"]:
         first, size = plan["first_unplaced"]
         return (f"verdict: does NOT fit: {plan['unplaced'] / GIB:.1f} GiB of weights find no GPU: device_map places "
@@ -408,7 +415,7 @@ def verdict_line(plan: dict) -> str:
 def machine_table(model, config, batch: int = 1, context: int = 32768) -> str:
     """The README table: kept weights on ``MACHINES``, Engram tables on GPU vs in host memory."""
     table = prepare_model(model, "kept")
-    lines = [f"| machine | Engram tables on GPU | Engram tables in host memory |", "|---|---|---|"]
+    lines = ["| machine | Engram tables on GPU | Engram tables in host memory |", "|---|---|---|"]
     for machine in MACHINES:
         gpus, memory = parse_machine(machine)
         cells = []
@@ -418,6 +425,8 @@ def machine_table(model, config, batch: int = 1, context: int = 32768) -> str:
             if plan["fits"]:
                 tight = min(gpu["free"] for gpu in plan["per_gpu"].values())
                 cell = f"fits ({tight / GIB:.0f} GiB free on the fullest GPU)"
+            elif plan["unplaced"] and not max(plan["max_memory"].values()):
+                cell = f"no: activations and cache alone need {plan['headroom'] / GIB:.0f} GiB per GPU"
             elif plan["unplaced"]:
                 first, size = plan["first_unplaced"]
                 cell = f"no: from `{first}` ({size / GIB:.0f} GiB) on, {plan['unplaced'] / GIB:.0f} GiB find no GPU"
