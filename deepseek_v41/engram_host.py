@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .release_format import _scale_groups_, ceil_div, e8m0_to_float, take_rows
+from .release_format import _scale_groups_, ceil_div, take_rows
 
 SCALE_GROUP = 32  # columns per scale in a released Engram row
 HOST = torch.device("cpu")
@@ -48,8 +48,16 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     F32 scale in fp32 first, then rounded once: the arithmetic of ``release_format.decode_fp8_rows``."""
     work = dtype if scale.dtype == torch.float8_e8m0fnu and dtype in (torch.float32, torch.bfloat16) else torch.float32
     rows = codes.view(torch.float8_e4m3fn).to(work)
-    _scale_groups_(rows, scale.float().to(work), SCALE_GROUP)
+    _scale_groups_(rows, scale_values(scale).to(work), SCALE_GROUP)
     return rows.to(dtype)
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scales -> fp32 2^(e-127) from their bits (any device; byte 0 is the fp32 subnormal 2^-127); F32 as is."""
+    if scale.dtype != torch.float8_e8m0fnu:
+        return scale
+    e = scale.view(torch.uint8).int()
+    return torch.where(e == 0, 1 << 22, e << 23).view(torch.float32)
 
 
 class EngramTable(nn.Embedding):
@@ -91,12 +99,26 @@ class EngramTable(nn.Embedding):
             raise ValueError(f"Engram table scales must be float8_e8m0fnu or float32 [{rows}, {groups}] (one per 32 "
                              f"columns of a row), got {scale.dtype} {list(scale.shape)}")
         for start in range(0, rows, _CHECK_ROWS):  # a NaN or negative scale would decode to NaN rows, unseen
-            e8m0_to_float(scale[start:start + _CHECK_ROWS])
+            block = scale[start:start + _CHECK_ROWS]
+            if block.dtype == torch.float8_e8m0fnu:
+                bad = block.view(torch.uint8) == 255
+            else:
+                bad = ~((block >= 0) & (block < torch.inf))
+            if bool(bad.any()):
+                at = [start + int(bad.nonzero()[0, 0]), int(bad.nonzero()[0, 1])]
+                raise ValueError(f"Engram table scale {at} is NaN or negative: the checkpoint is corrupted "
+                                 "(re-download or re-export it)")
         if self.held_on_host:
             device = HOST
         else:
             device = codes.device if self.weight.is_meta else self.weight.device
         self._hold(codes.to(device).contiguous(), scale.to(device).contiguous())
+
+    def hold_on_host(self) -> None:
+        """Move the table to host memory and keep it there (what ``engram_device="cpu"`` builds)."""
+        self.held_on_host = False
+        self.to(HOST)
+        self.held_on_host = True
 
     def _hold(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
         if not self.kept:
@@ -263,7 +285,8 @@ def prefetch_engram_rows(layers, input_ids: torch.Tensor, image_mask, hash_ids: 
     for engram in host:
         device = engram.q_weight.device
         stream = side_stream(device) if device.type == "cuda" else None
-        args = (engram, ids, mask, hash_ids.get(engram.layer), device, stream)
+        given = hash_ids.get(engram.layer)  # precomputed ids: to the host here, not behind the worker's queue
+        args = (engram, ids, mask, None if given is None else given.to(HOST), device, stream)
         job = _worker_pool().submit(_gather_and_copy, *args) if stream is not None else _gather_and_copy(*args)
         cols = (engram.max_ngram - 1) * engram.n_heads
         result[engram.layer] = PrefetchedRows(engram.embed, (*ids.shape, cols), job)

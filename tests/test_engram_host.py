@@ -23,8 +23,7 @@ def snapshot():
     return golden_dir("v41_tiny_text") / "snapshot"
 
 
-@pytest.fixture(scope="module")
-def stored_tables(snapshot):
+def read_stored_tables(snapshot) -> dict:
     """{layer: (codes F8_E4M3, scale F8_E8M0)} read straight from the fixture's shards."""
     index = json.loads((snapshot / "model.safetensors.index.json").read_text())["weight_map"]
     tables = {}
@@ -36,6 +35,11 @@ def stored_tables(snapshot):
             scale = f.get_tensor(f"{name}.scale")
         tables[layer] = codes, scale
     return tables
+
+
+@pytest.fixture(scope="module")
+def stored_tables(snapshot):
+    return read_stored_tables(snapshot)
 
 
 def load(snapshot, **options):
@@ -147,6 +151,9 @@ def test_moves_and_casts_leave_host_tables_on_the_host_and_kept_codes_as_stored(
     kept.to(torch.float32)
     assert kept.layers[4].engram.embed.weight.dtype == torch.float8_e4m3fn
     assert kept.layers[4].engram.embed.compute_dtype == torch.float32
+    kept.layers[4].engram.embed.hold_on_host()  # a loaded model's table sent to the host, to stay there
+    kept.to("meta")
+    assert kept.layers[4].engram.embed.scale.device.type == "cpu" and kept.layers[1].engram.embed.weight.is_meta
 
 
 def test_training_a_kept_table_is_refused(reference, host, stored_tables):
