@@ -112,7 +112,12 @@ class EngramTable(nn.Embedding):
             device = HOST
         else:
             device = codes.device if self.weight.is_meta else self.weight.device
-        self._hold(codes.to(device).contiguous(), scale.to(device).contiguous())
+        same = self.kept and self.scale.dtype == scale.dtype and not self.weight.is_meta
+        if same and codes.device != device:  # already allocated as stored (keep_format): filled in place, no 2nd copy
+            self.weight.view(torch.uint8).copy_(codes.view(torch.uint8))
+            self.scale.view(torch.uint8).copy_(scale.view(torch.uint8))
+            return
+        self._hold(codes.to(device).contiguous(), scale.to(device).contiguous())  # held as given where it already is
 
     def hold_on_host(self) -> None:
         """Move the table to host memory and keep it there (what ``engram_device="cpu"`` builds)."""

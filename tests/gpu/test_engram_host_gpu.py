@@ -80,3 +80,21 @@ def test_rows_are_copied_on_a_side_stream(snapshot, stored_tables, monkeypatch, 
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and e["args"].get("bytes") == packed]
     assert len(copies) == 2, [e["name"] for e in copies]  # one copy per Engram layer
     assert all("HtoD" in e["name"] and e["args"]["stream"] != main for e in copies)
+
+
+def test_a_table_kept_before_materialization_is_filled_in_place(stored_tables):
+    from deepseek_v41.engram_host import EngramTable
+    from deepseek_v41.modeling_deepseek_v41 import default_dtype
+
+    codes, scale = stored_tables[1]
+    with torch.device("meta"), default_dtype(torch.bfloat16):
+        table = EngramTable(*codes.shape).eval()
+    table.keep_format()  # what a kept-format load does on the meta model: no bf16 table is ever allocated
+    table.to_empty(device="cuda")
+    where = table.weight.data_ptr()
+    table.load_kept_table(codes, scale)  # host tensors, as read from the shards
+    assert table.weight.data_ptr() == where and table.weight.is_cuda
+    ids = torch.arange(codes.shape[0], device="cuda")
+    reference = codes.float() * torch.ldexp(torch.ones(scale.shape), scale.view(torch.uint8).int() - 127) \
+        .repeat_interleave(32, 1)
+    assert torch.equal(table(ids).cpu(), reference.to(torch.bfloat16))
