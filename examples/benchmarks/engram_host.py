@@ -103,9 +103,17 @@ def build(args, device):
     for engram in engrams:
         engram.keep_table_format()
     model.to_empty(device=device)
-    for module in model.modules():  # what the constructor's post_init does, the tables left out (filled below)
-        if not isinstance(module, EngramTable):
-            model._init_weights(module)
+    plain = [t for name, t in [*model.named_parameters(), *model.named_buffers()] if ".engram.embed." not in name
+             and t.is_floating_point() and t.element_size() > 1]
+    with torch.no_grad():
+        for t in plain:
+            t.fill_(float("nan"))
+        for module in model.modules():  # what the constructor's post_init does, the tables left out (filled below)
+            if not isinstance(module, EngramTable):
+                model._init_weights(module)
+        for t in plain:  # what _init_weights leaves (the router's bias): zero, as the constructor makes it
+            if bool(torch.isnan(t).all()):
+                t.zero_()
     tables = {}
     for engram in engrams:
         table = engram.embed
@@ -225,6 +233,13 @@ def main():
             for variant in args.variants:
                 use(model, tables, variant)
                 times[variant].append(timed(model, ids, device))
+        logits = {}
+        for variant in args.variants:  # a correctness check of the timed calls: the same rows, the same logits
+            use(model, tables, variant)
+            logits[variant] = model(ids, logits_to_keep=1).logits
+        first = logits[args.variants[0]]
+        same = all(torch.equal(v, first) for v in logits.values())
+        print(f"logits finite: {bool(first.isfinite().all())}, equal across {args.variants}: {same}")
         use(model, tables, "gpu")
         print(one_layer_costs(model, tables, ids, device))
     base = statistics.median(times[args.variants[0]])
