@@ -26,9 +26,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .attention import Attention, CSA2State, check_attention_memory
 from .backends import check_available
 from .cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
-from .configuration_deepseek_v41 import DeepseekV41Config
+from .configuration_deepseek_v41 import DeepseekV41Config, check_config_values
 from .dspark import build_stages, dspark_stage_count
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
+from .engram_host import HOST, prefetch_engram_rows
 from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
 from .moe import MoE, RoutedExperts, Router
@@ -193,7 +194,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         cls, pretrained_model_name_or_path=None, *model_args, config=None, dtype="auto", backend=None, tokenizer=None,
         device=None, device_map=None, max_memory=None, revision=None, cache_dir=None, local_files_only=False,
         token=None, force_download=False, subfolder="", use_safetensors=None, low_cpu_mem_usage=None,
-        dequantize_base_checkpoint=None, adapter_kwargs=None, verify_checksums=None, **kwargs,
+        dequantize_base_checkpoint=None, adapter_kwargs=None, verify_checksums=None, engram_device=None, **kwargs,
     ):
         """Load a released-format (FP8/FP4, dequantized here) or floating-point checkpoint.
 
@@ -208,6 +209,9 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         ``cache_dir``, ``local_files_only``, ``token``, ``force_download``.  ``verify_checksums`` (default: on,
         or ``DEEPSEEK_V41_VERIFY_CHECKSUMS``): an export of ours records each shard's checksum in its index, and
         a shard whose bytes changed is refused, named, before a tensor is read from it; ``False`` skips the reads.
+        ``engram_device="cpu"`` (sets ``text_config.engram_device``): the Engram tables stay in host memory whatever
+        ``device`` / ``device_map`` place, and each forward copies only the rows it needs to the GPU, overlapped
+        with the first blocks (``engram_host.py``); ``None`` keeps the config's (default: tables with their block).
         """
         from .checkpoint import load_checkpoint_into_model
 
@@ -244,7 +248,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
                 f"from_pretrained got unexpected keyword arguments {sorted(kwargs)}: they are neither loading options "
                 "(dtype, device, device_map, max_memory, backend, tokenizer, revision, cache_dir, local_files_only, "
                 "token, force_download, subfolder, use_safetensors, low_cpu_mem_usage, dequantize_base_checkpoint, "
-                "verify_checksums) "
+                "verify_checksums, engram_device) "
                 "nor config fields"
             )
         config._name_or_path = str(path)
@@ -253,6 +257,9 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             config.backend = {**config.backend, **backend}
         if dequantize_base_checkpoint is not None:
             config.dequantize_base_checkpoint = dequantize_base_checkpoint
+        if engram_device is not None:
+            config.text_config.engram_device = engram_device
+            check_config_values(config.text_config)
         dtype = resolve_dtype(dtype, config)
         with torch.device("meta"), default_dtype(dtype):
             model = cls(config, *model_args, tokenizer=tokenizer)
@@ -441,6 +448,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         state = CSA2State(cache, lengths if cache is not None else None)
         hidden_states = [h] if output_hidden_states else None
         means = []  # the DSpark target layers' stream means, in layer order
+        engram_hash_ids = prefetch_engram_rows(  # host-memory tables: their rows start now, under the first blocks
+            self.layers, input_ids, image_mask,
+            {i.layer: engram_hash_ids_for(engram_hash_ids, i, self.config.text_config) for i in self.layers},
+        )
         for layer in self.layers:
             hash_ids = engram_hash_ids_for(engram_hash_ids, layer, self.config.text_config)
             if layer.hc_attn_fn.device != x.device:  # device_map spread the blocks over devices
@@ -1161,7 +1172,8 @@ def materialize(model, placement: dict) -> None:
             for name, tensor in table.items():
                 if tensor is None:
                     continue
-                empty = torch.empty_like(tensor, device=placement_of(prefix + name, placement))
+                device = HOST if getattr(module, "held_on_host", False) else placement_of(prefix + name, placement)
+                empty = torch.empty_like(tensor, device=device)
                 table[name] = nn.Parameter(empty, tensor.requires_grad) if table is module._parameters else empty
     for module in model.modules():
         if isinstance(module, Engram):
