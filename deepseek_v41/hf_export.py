@@ -186,12 +186,12 @@ def plan_items(sources: Iterable[TensorSource], quantize: str | None) -> list[_I
                           "trained) or 'release' (the released FP8/FP4 format)")
     items, seen = [], set()
     sources = list(sources)
-    names = {source.name for source in sources}
+    given = {source.name for source in sources}
     for source in sources:
         if source.dtype in _QUANTIZED_TORCH_DTYPES:
             # a kept model's stored codes and scales (kept.py): written as held, byte for byte
             weight = source.name.removesuffix(".scale") + ".weight"
-            if not (source.name.endswith(".scale") and weight in names or scale_name(source.name) in names):
+            if not (source.name.endswith(".scale") and weight in given or scale_name(source.name) in given):
                 raise NotImplementedError(f"tensor {source.name!r} is {source.dtype} without a scale tensor next to "
                                           "it: only released FP8/FP4 codes with their scales (a kept model's) are "
                                           "written as stored; export floating-point parameters")

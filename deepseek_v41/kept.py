@@ -117,27 +117,28 @@ _fallback_logged = False
 
 
 def quantized_kernels(x: torch.Tensor):
-    """``kernels_quantized`` where it runs (a CUDA device with FP8, sm_89+, and the module imports), else None:
-    the tile-by-tile fallback. On a CUDA GPU that cannot, logs once that the fallback is used."""
+    """``kernels_quantized`` where its FP8/FP4 GEMMs run for ``x`` (bf16 on a CUDA device with FP8, sm_89+, with
+    the module importable), else None: the tile-by-tile fallback (also for fp32 activations: a model loaded in
+    fp32 computes in fp32). On a CUDA GPU where the kernels cannot run, logs once that the fallback is used."""
     global _kernels, _kernels_error, _fallback_logged
     if x.device.type != "cuda":
         return None
     if _kernels is None:
-        try:  # optional (Triton/TileLang), imported so that remote-code exports do not require it
+        try:  # optional (Triton), imported so that remote-code exports do not require it
             from . import kernels_quantized
 
             _kernels = kernels_quantized
         except ImportError as error:
             _kernels, _kernels_error = False, f"deepseek_v41.kernels_quantized does not import ({error})"
-    capability = torch.cuda.get_device_capability(x.device)
-    if _kernels and capability >= (8, 9):
-        return _kernels
+    if _kernels and _kernels.quantized_gemm_usable(x):
+        return _kernels if x.dtype == torch.bfloat16 else None
     if not _fallback_logged:
         _fallback_logged = True
-        reason = _kernels_error or (f"{torch.cuda.get_device_name(x.device)} (sm_{capability[0]}{capability[1]}) "
-                                    "has no FP8 support")
+        major, minor = torch.cuda.get_device_capability(x.device)
+        reason = _kernels_error or (f"{torch.cuda.get_device_name(x.device)} (sm_{major}{minor}) cannot run the "
+                                    "FP8/FP4 kernels (they need FP8 tensor cores, sm_89+, and Triton)")
         logger.warning("kept FP8/FP4 weights: %s; using the tile-by-tile fallback (one weight tile at a time is "
-                       "decoded to %s for a dense GEMM: same results, slower)", reason, x.dtype)
+                       "decoded to %s for a dense GEMM: correct, slower)", reason, x.dtype)
     return None
 
 
