@@ -96,6 +96,15 @@ def _refuse_training(module: nn.Module) -> None:
             what=f"a training forward through {type(module).__name__} (train mode with autograd on)"))
 
 
+def _keep_dtypes(fn):
+    # ``module._apply`` function that moves kept tensors but never casts them: model.to(torch.bfloat16), .float(),
+    # .half() would turn FP8 codes and UE8M0 scales (floating dtypes to torch) into the numbers they encode
+    def apply(t):
+        probe = fn(t.new_empty(0))
+        return fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
+    return apply
+
+
 class _KeptModule(nn.Module):
     def __init__(self):
         super().__init__()
@@ -105,6 +114,9 @@ class _KeptModule(nn.Module):
         if requires_grad:
             raise RuntimeError(TRAINING_REFUSED.format(what=f"requires_grad_ on {type(self).__name__}"))
         return self
+
+    def _apply(self, fn, recurse=True):
+        return super()._apply(_keep_dtypes(fn), recurse)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -257,6 +269,9 @@ class KeptFp4Experts(RoutedExperts):
     def requires_grad_(self, requires_grad: bool = True):
         return _KeptModule.requires_grad_(self, requires_grad)
 
+    def _apply(self, fn, recurse=True):
+        return super()._apply(_keep_dtypes(fn), recurse)
+
     def grouped_forward(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [m, dim] sorted by expert, counts [E], weights fp32 [m] -> [m, dim] in x.dtype
         _refuse_training(self)
@@ -327,7 +342,10 @@ def held_dequantized(model: nn.Module, name: str) -> bool:
     table or Engram ``wkv`` of an Engram module that does not keep formats)."""
     for suffix in (".embed.weight", ".wkv.weight"):
         if name.endswith(suffix) and ".engram." in name:
-            engram = model.get_submodule(name.removesuffix(suffix))
+            try:
+                engram = model.get_submodule(name.removesuffix(suffix))
+            except AttributeError:  # not in this model: the loader's plan names it
+                return False
             return not engram_keeps_formats(engram)
     return False
 
