@@ -274,7 +274,7 @@ class DeepseekV41Config(PretrainedConfig):
         pad_token_id=2,
         image_token_id=None,
         backend=None,
-        dequantize_base_checkpoint=True,
+        dequantize_base_checkpoint=None,
         tie_word_embeddings=False,
         **kwargs,
     ):
@@ -462,8 +462,10 @@ def check_config_values(config, dtype=None) -> None:
     names = ("float32", "bfloat16", "float16", "float64")
     _need(dtype in (None, "auto") or dtype in names or (isinstance(dtype, torch.dtype) and dtype.is_floating_point),
           "dtype", dtype, f"use one of {list(names)} (or 'auto')")
-    _need(isinstance(config.dequantize_base_checkpoint, bool), "dequantize_base_checkpoint",
-          config.dequantize_base_checkpoint, "must be true or false")
+    _need(config.dequantize_base_checkpoint is None or isinstance(config.dequantize_base_checkpoint, bool),
+          "dequantize_base_checkpoint", config.dequantize_base_checkpoint,
+          "must be true (decode FP8/FP4 to floating point), false (keep them) or null (keep them when the checkpoint "
+          "is quantized)")
     vocab = config.text_config.vocab_size
     # Checked whenever it is set (a saved config is read by other code too: processors, serving engines); unset
     # (None) is allowed only without a vision tower, which never places it.
