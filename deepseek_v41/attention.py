@@ -31,7 +31,7 @@ class CSA2State:
     Written once per forward; a second write of the same slot (activation recomputation re-running a
     source layer) keeps the first value, so consumers always see what the original forward produced.
     ``cache``: the decode cache a prefill fills (``lengths`` [b]: real tokens per left-aligned row) or a decode
-    step reads (``positions`` [b]: each row's position of its one new token); None without a cache.
+    step reads (``positions`` [b, n]: each row's positions of its n new tokens); None without a cache.
     """
 
     def __init__(self, cache=None, lengths=None, positions=None):
@@ -451,54 +451,61 @@ class Attention(nn.Module):
             layer_cache.fill_carry(x, state.lengths, self.compressor.project)
 
     def _decode_step(self, x, state):
-        # x [b, 1, dim]: one new token per row, row i at position state.positions[i] -> [b, 1, dim].
-        # The projections run on the batch as one sequence [1, b, ·] (one RoPE position per token); the
-        # attention gathers per row from the cached window ring and compressed entries.
-        pos = state.positions
+        # x [b, n, dim]: n new tokens per row, row i's at positions state.positions[i] [n] (consecutive) -> [b, n, dim].
+        # The projections run on the batch as one sequence [1, b·n, ·] (one RoPE position per token); the
+        # attention gathers per query from the cached window ring (the step's own keys written first: query j sees
+        # the step's tokens up to j) and the compressed entries its indexer picked.
+        pos = state.positions  # [b, n]
+        b, n = pos.shape
         layer_cache = state.cache.layers[self.layer]
-        xt = x.transpose(0, 1)  # [1, b, dim]
-        cis = self._rope_cis(pos)  # [b, rope_dim / 2]
-        qr, q = self._queries(xt, cis)
-        ring = layer_cache.push_window(self._window_kv(xt, cis)[0], pos)  # [b, R, head_dim], R >= W ring slots
-        kv, idx = ring, layer_cache.window_slots(pos)  # idx [b, 1, R]: the last W positions' slots, -1 elsewhere
+        xt = x.reshape(1, b * n, x.shape[-1])
+        cis = self._rope_cis(pos.reshape(-1))  # [b·n, rope_dim / 2]
+        qr, q = self._queries(xt, cis)  # q [1, b·n, h, head_dim]
+        window_kv = self._window_kv(xt, cis).view(b, n, -1)
+        ring = layer_cache.push_window(window_kv, pos)  # [b, R, head_dim], R >= W + n - 1 ring slots
+        kv, idx = ring, layer_cache.window_slots(pos)  # idx [b, n, R]: each query's last W positions' slots, else -1
         if self.ratio:
             compressed_kv = self._compressed_decode(xt, qr, cis, state)  # [b, T, head_dim]
-            topk = state.read(self.index_source, "topk")  # [b, 1, k]
-            picked = compressed_kv.gather(1, topk.clamp(min=0).transpose(1, 2).expand(-1, -1, kv.shape[-1]))
-            slots = torch.arange(topk.shape[-1], device=x.device) + ring.shape[1]
-            kv = torch.cat([ring, picked.to(ring.dtype)], dim=1)  # [b, R + k, head_dim]
+            topk = state.read(self.index_source, "topk")  # [b, n, k]
+            k = topk.shape[-1]
+            picked = compressed_kv.gather(1, topk.clamp(min=0).reshape(b, n * k, 1).expand(-1, -1, kv.shape[-1]))
+            slots = torch.arange(n * k, device=x.device).view(n, k) + ring.shape[1]  # query j's picks: rows j·k ..
+            kv = torch.cat([ring, picked.to(ring.dtype)], dim=1)  # [b, R + n·k, head_dim]
             idx = torch.cat([idx, torch.where(topk >= 0, slots, -1)], dim=-1)
-        o = sparse_attention_torch(q.transpose(0, 1), kv, self.attn_sink, idx, self.head_dim**-0.5)
-        return self._output(o.transpose(0, 1), cis).transpose(0, 1)
+        o = sparse_attention_torch(q.reshape(b, n, *q.shape[2:]), kv, self.attn_sink, idx, self.head_dim**-0.5)
+        return self._output(o.reshape(1, b * n, *o.shape[2:]), cis).view(b, n, -1)
 
     def _compressed_decode(self, xt, qr, cis, state):
-        # Full: the new token joins its group (a new entry when the group completes); publishes like a prefill.
-        # The entries read: as many as the furthest row sees (a growing cache), or a preallocated cache's whole
-        # capacity (n_visible None: fixed shapes, no host value), the ones a row does not see yet masked in scoring
-        r, pos = self.ratio, state.positions
-        n_visible = state.cache.entries_visible(r)
+        # Full: the new tokens join their groups (a new entry where one completes); publishes like a prefill.
+        # The entries read: as many as the furthest row's last token sees (a growing cache), or a preallocated
+        # cache's whole capacity (n_visible None: fixed shapes, no host value), those a query does not see yet
+        # masked in scoring.  xt [1, b·n, dim], qr [1, b·n, q_lora], cis [b·n, ·]
+        r, pos = self.ratio, state.positions  # pos [b, n]
+        b, n = pos.shape
+        n_visible = state.cache.entries_visible(r, n)
         if self.mode == "full":
             layer_cache = state.cache.layers[self.layer]
             if r == 1:
-                latent = self.compressor(xt)  # [1, b, head_dim]
+                latent = self.compressor(xt)  # [1, b·n, head_dim]
             else:
-                kv, score = layer_cache.push_carry(*self.compressor.project(xt[0]), pos)  # [b, r, head_dim]
-                latent = self.compressor.pool(kv, score, xt.dtype).unsqueeze(0)
+                kv, score = self.compressor.project(xt[0].view(b, n, -1))  # fp32 [b, n, head_dim] each
+                kv, score = layer_cache.push_carry(kv, score, pos)  # each token's group [b, n, r, head_dim]
+                latent = self.compressor.pool(kv, score, xt.dtype).view(1, b * n, -1)
             entry = pos // r
             scratch = CSA2State()
-            self._publish_entries(scratch, latent, self._rope_cis(entry * r))
+            self._publish_entries(scratch, latent, self._rope_cis(entry.reshape(-1) * r))
             layer_cache.push_entry(
-                scratch.read(self.layer, "compressed_kv")[0], scratch.read(self.layer, "index_k")[0], entry,
-                (pos + 1) % r == 0, state.cache.entries_needed(r),
+                scratch.read(self.layer, "compressed_kv").view(b, n, -1), scratch.read(self.layer, "index_k").view(b, n, -1),
+                entry, (pos + 1) % r == 0, state.cache.entries_needed(r, n),
             )
             state.publish(self.layer, "index_k", layer_cache.index_k[:, :n_visible])
             state.publish(self.layer, "compressed_kv", layer_cache.compressed_kv[:, :n_visible])
         if self.mode in ("full", "reindex"):
-            visible = ((pos + 1) // r).unsqueeze(1)  # [b, 1]
+            visible = (pos + 1) // r  # [b, n]
             if n_visible == 0:  # nothing compressed yet in any row
-                state.publish(self.layer, "topk", pos.new_empty((pos.shape[0], 1, 0)))
-            else:  # queries [1, b, ·] (the batch as the sequence) against each row's own keys -> [b, 1, T]
+                state.publish(self.layer, "topk", pos.new_empty((b, n, 0)))
+            else:  # queries [1, b·n, ·] (the batch as the sequence) against each row's own keys -> [b, n, T]
                 score_fn = lambda q, w, k, ratio, query_offset: indexer_scores_torch(  # noqa: E731
-                    q.transpose(0, 1), w.transpose(0, 1), k, ratio, visible)
+                    q.reshape(b, n, *q.shape[2:]), w.reshape(b, n, -1), k, ratio, visible)
                 self._publish_topk(state, xt, qr, cis, score_fn, visible)
         return state.read(self.kv_source, "compressed_kv")

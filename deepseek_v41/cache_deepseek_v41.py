@@ -108,39 +108,47 @@ class CSA2LayerCache:
         self._store("carry_kv", kv)
         self._store("carry_score", score)
 
-    # ---- decode: one new token per row at positions pos [b]; written in place ------------------------------
+    # ---- decode: n new tokens per row at positions pos [b, n] (consecutive; n = 1 but for a multi-token step,
+    # whose n - 1 <= spare extra ring slots keep what its first token reads); written in place -----------------
 
     def push_window(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # kv [b, d] -> the ring [b, window_ring, d] with position pos in slot pos % window_ring
-        slot = (pos % self.window_ring).view(-1, 1, 1).expand(-1, 1, kv.shape[-1])
-        return self.window_kv.scatter_(1, slot, kv.unsqueeze(1).to(self.window_kv.dtype))
+        # kv [b, n, d] -> the ring [b, window_ring, d] with position pos[:, j] in slot pos % window_ring
+        slot = (pos % self.window_ring).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+        return self.window_kv.scatter_(1, slot, kv.to(self.window_kv.dtype))
 
     def window_slots(self, pos: torch.Tensor) -> torch.Tensor:
-        # int64 [b, 1, window_ring]: slot ids a query at pos reads (its last `window` positions), -1 elsewhere
-        return ring_slots(pos, self.window_ring, self.window).unsqueeze(1)
+        # int64 [b, n, window_ring]: slot ids the query at pos[:, j] reads (its last `window` positions; a slot
+        # rewritten by a later token of the step is past that span), -1 elsewhere
+        return ring_slots(pos.reshape(-1), self.window_ring, self.window).view(*pos.shape, self.window_ring)
 
     def push_carry(self, kv: torch.Tensor, score: torch.Tensor, pos: torch.Tensor):
-        # fp32 [b, d] each at position pos -> the open group's r projections [b, r, d] each, in position order
-        slot = (pos % self.carry_ring).view(-1, 1, 1).expand(-1, 1, kv.shape[-1])
-        self.carry_kv.scatter_(1, slot, kv.unsqueeze(1))
-        self.carry_score.scatter_(1, slot, score.unsqueeze(1))
-        if self.carry_ring == self.ratio:  # slot j holds the group's j-th position
-            return self.carry_kv, self.carry_score
-        group = (pos // self.ratio * self.ratio).unsqueeze(1) + torch.arange(self.ratio, device=pos.device)
-        at = (group % self.carry_ring).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
-        return self.carry_kv.gather(1, at), self.carry_score.gather(1, at)
+        # fp32 [b, n, d] each at positions pos [b, n] -> each token's group's r projections [b, n, r, d] each, in
+        # position order (the group's positions past the token hold stale rows: only a completed group is pooled)
+        slot = (pos % self.carry_ring).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+        self.carry_kv.scatter_(1, slot, kv)
+        self.carry_score.scatter_(1, slot, score)
+        if self.carry_ring == self.ratio and pos.shape[1] == 1:  # slot j holds the group's j-th position
+            return self.carry_kv.unsqueeze(1), self.carry_score.unsqueeze(1)
+        group = (pos // self.ratio * self.ratio).unsqueeze(-1) + torch.arange(self.ratio, device=pos.device)
+        at = (group % self.carry_ring).flatten(1).unsqueeze(-1).expand(-1, -1, kv.shape[-1])  # [b, n·r, d]
+        shape = (*pos.shape, self.ratio, kv.shape[-1])
+        return self.carry_kv.gather(1, at).view(shape), self.carry_score.gather(1, at).view(shape)
 
     def push_entry(self, kv, key, entry: torch.Tensor, complete: torch.Tensor, need: int | None) -> None:
-        # kv [b, d], key [b, D]: written at entry [b] in the rows whose group just completed (complete [b] bool);
-        # need = max(entry) + 1, known on the host (None: a preallocated cache, which never grows)
+        # kv [b, n, d], key [b, n, D]: token j's written at entry[:, j] in the rows where it completed its group
+        # (complete [b, n] bool); need = max(entry) + 1, known on the host (None: a preallocated cache, which never
+        # grows).  Token by token: an earlier token of the same group writes the entry back unchanged, which a
+        # single scatter with repeated indices could do after the completing token's write
         if need is not None and need > self.compressed_kv.shape[1]:  # grow by doubling: amortized O(1) per token
             grow = max(need, 2 * self.compressed_kv.shape[1], 16) - self.compressed_kv.shape[1]
             self.compressed_kv = torch.nn.functional.pad(self.compressed_kv, (0, 0, 0, grow))
             self.index_k = torch.nn.functional.pad(self.index_k, (0, 0, 0, grow))
-        for store, new in ((self.compressed_kv, kv), (self.index_k, key)):  # in place, masked: O(1) per step
-            at = entry.view(-1, 1, 1).expand(-1, 1, store.shape[-1])
-            value = torch.where(complete.view(-1, 1, 1), new.unsqueeze(1).to(store.dtype), store.gather(1, at))
-            store.scatter_(1, at, value)
+        for j in range(entry.shape[1]):
+            for store, new in ((self.compressed_kv, kv), (self.index_k, key)):  # in place, masked: O(1) per token
+                at = entry[:, j].view(-1, 1, 1).expand(-1, 1, store.shape[-1])
+                value = torch.where(complete[:, j].view(-1, 1, 1), new[:, j : j + 1].to(store.dtype),
+                                    store.gather(1, at))
+                store.scatter_(1, at, value)
 
 
 # text_config fields that decide what a cache holds and how it is read
@@ -240,14 +248,21 @@ class DeepseekV41Cache(Cache):
     def check_room(self, new_columns: int) -> None:
         """Raise unless ``new_columns`` more columns fit (always: this cache grows)."""
 
-    def entries_visible(self, ratio: int) -> int | None:
-        """Compressed entries a decode step reads at ``ratio``: the most any row sees (a host int, sizing the
-        step's tensors), or None for all of a preallocated cache's capacity, masked per row."""
-        return max((n + 1) // ratio for n in self.lengths_host)
+    def entries_visible(self, ratio: int, new: int = 1) -> int | None:
+        """Compressed entries a decode step of ``new`` tokens per row reads at ``ratio``: the most any row's last
+        token sees (a host int, sizing the step's tensors), or None for all of a preallocated cache's capacity,
+        masked per query."""
+        return max((n + new) // ratio for n in self.lengths_host)
 
-    def entries_needed(self, ratio: int) -> int | None:
-        """Entries the step's group-completion write needs room for (None: preallocated)."""
-        return max(n // ratio for n in self.lengths_host) + 1
+    def entries_needed(self, ratio: int, new: int = 1) -> int | None:
+        """Entries the step's group-completion writes need room for (None: preallocated)."""
+        return max((n + new - 1) // ratio for n in self.lengths_host) + 1
+
+    def decodes_at_once(self, new: int) -> bool:
+        """Whether a step can take ``new`` tokens per row in one pass (a multi-token step): its rings keep
+        ``rollback_tokens`` positions beyond what one token reads, and the step's first token still needs the
+        positions that its last n - 1 tokens overwrite in a ring of fewer spare slots."""
+        return new <= self.rollback_tokens + 1
 
     def advance(self, input_ids: torch.Tensor) -> None:
         """After a decode step of one text token per row (input_ids [b, 1])."""
@@ -255,15 +270,18 @@ class DeepseekV41Cache(Cache):
         self.columns += 1
 
     def advance_rows(self, input_ids: torch.Tensor) -> None:
-        """The per-row part of ``advance``: each row's count and Engram context."""
-        self.lengths = self.lengths + 1
-        self.lengths_host = [n + 1 for n in self.lengths_host]
+        """The per-row part of ``advance`` after a step of input_ids [b, n]: each row's count and Engram context."""
+        n = input_ids.shape[1]
+        self.lengths = self.lengths + n
+        self.lengths_host = [length + n for length in self.lengths_host]
         if self.engram_ids is not None:
-            self.engram_ids = torch.cat([self.engram_ids[:, 1:], input_ids], dim=1)
-            self.engram_dead = torch.cat([self.engram_dead[:, 1:], self.engram_dead.new_zeros(input_ids.shape)], 1)
+            width = self.engram_ids.shape[1]
+            self.engram_ids = torch.cat([self.engram_ids, input_ids], dim=1)[:, -width:]
+            dead = torch.cat([self.engram_dead, self.engram_dead.new_zeros(input_ids.shape)], 1)
+            self.engram_dead = dead[:, -width:]
 
     def engram_context(self, input_ids: torch.Tensor):
-        """(ids [b, n-1+1], dead [b, n-1+1]): the look-back context followed by the new token [b, 1]."""
+        """(ids [b, n-1+s], dead [b, n-1+s]): the look-back context followed by the new tokens [b, s]."""
         n = self.text_config.engram_max_ngram_size - 1
         ids = torch.cat([self.engram_ids[:, self.engram_ids.shape[1] - n :], input_ids], dim=1)
         dead = self.engram_dead[:, self.engram_dead.shape[1] - n :]
@@ -447,7 +465,20 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         super().__init__(config, rollback_tokens=rollback_tokens)
         n = self.text_config.engram_max_ngram_size - 1
         self.engram_ring = n + rollback_tokens if self.text_config.engram_layer_ids and n > 0 else 0
-        self.graph = None  # the captured decode step (decode_graph.DecodeGraph) or why there is none (str)
+        # the captured decode steps by (width, DSpark input) (decode_graph.DecodeGraph) or why there is none (str)
+        self.graphs = {}
+
+    @property
+    def graph(self):
+        """The one-token decode step's graph (``graphs[(1, False)]``), or why there is none, or None."""
+        return self.graphs.get((1, False))
+
+    @graph.setter
+    def graph(self, value) -> None:  # None: forget every graph (the next steps capture their own)
+        if value is None:
+            self.graphs.clear()
+        else:
+            self.graphs[(1, False)] = value
 
     def _layer_cache(self, layer: int) -> CSA2LayerCache:
         text = self.text_config
@@ -495,19 +526,20 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
                 f"{self.columns}: {new_columns} more do not fit; make the cache with a larger max_cache_len"
             )
 
-    def entries_visible(self, ratio: int) -> None:
+    def entries_visible(self, ratio: int, new: int = 1) -> None:
         return None
 
-    def entries_needed(self, ratio: int) -> None:
+    def entries_needed(self, ratio: int, new: int = 1) -> None:
         return None
 
     def advance_rows(self, input_ids: torch.Tensor) -> None:
-        # in place (a captured graph replays these writes): the new token into the Engram ring, then the counts
+        # in place (a captured graph replays these writes): the new tokens [b, n] into the Engram ring, the counts
+        n = input_ids.shape[1]
         if self.engram_ring:
-            slot = (self.lengths % self.engram_ring).unsqueeze(1)
+            slot = (self.lengths.unsqueeze(1) + torch.arange(n, device=self.lengths.device)) % self.engram_ring
             self.engram_ids.scatter_(1, slot, input_ids.to(self.engram_ids.dtype))
             self.engram_dead.scatter_(1, slot, torch.zeros_like(slot, dtype=torch.bool))
-        self.lengths.add_(1)
+        self.lengths.add_(n)
 
     def _rollback_rows(self, counts: torch.Tensor) -> None:
         # in place (a captured graph reads these buffers): the Engram ring is indexed by position like the rest

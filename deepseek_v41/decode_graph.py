@@ -1,4 +1,4 @@
-"""The one-token decode step on CUDA as a graph: captured once per static cache, replayed at every later step.
+"""The decode step on CUDA as a graph: captured once per static cache and width, replayed at every later step.
 
 An eager decode step of the 4-layer released-width proxy launches ~2,200 small kernels one by one from Python: the
 GPU idles for most of the step.  With a ``DeepseekV41StaticCache`` the step has fixed shapes, fixed tensor
@@ -8,7 +8,11 @@ buffer and one replay.  The graph belongs to its cache: one per (batch, max leng
 static caches across calls (``DeepseekV41ForCausalLM.static_cache``), so a second call of the same shape replays
 without capturing again.
 
-The first step of a cache runs eagerly on a side stream (it is the real step, and the warm-up the capture needs:
+The same holds for a multi-token step (a speculative block's verification: n = B + 1 tokens per row in one pass,
+``DeepseekV41Model.decode_widths``): a static cache holds one graph per (width, whether the DSpark stages' input is
+an output), each captured at its first use, so a verification costs one replay instead of n one-token steps.
+
+The first step of a cache (at a width) runs eagerly on a side stream (it is the real step, and the warm-up the capture needs:
 Triton builds, cuBLAS workspaces), with CUDA's sync debug mode set to raise, so that anything that would read back
 to the host is found before capturing; then the step is captured (capturing runs nothing).  The replay runs the
 captured kernels on the same buffers: its results are those of the eager step, bit for bit.
@@ -40,9 +44,9 @@ def log_fallback(reason: str) -> None:
         logger.warning("deepseek_v41: decode step not replayed as a CUDA graph (%s); decoding eagerly", reason)
 
 
-def unusable_reason(model, cache, input_ids: torch.Tensor) -> str | None:
-    """Why this decode step cannot run as a graph (None: it can).  CPU tensors and ``decode_graph="off"`` are not
-    reasons worth a log line: they return ''."""
+def unusable_reason(model, cache, input_ids: torch.Tensor, key=(1, False)) -> str | None:
+    """Why this decode step cannot run as a graph (None: it can; ``key``: its graph's (width, DSpark input)).  CPU
+    tensors and ``decode_graph="off"`` are not reasons worth a log line: they return ''."""
     mode = model.decode_graph
     if mode not in MODES:
         raise ValueError(f"decode_graph={mode!r}: use one of {MODES}")
@@ -50,8 +54,8 @@ def unusable_reason(model, cache, input_ids: torch.Tensor) -> str | None:
         return ""
     if torch.is_grad_enabled():
         return "gradients are enabled: a captured step runs under torch.no_grad() or torch.inference_mode()"
-    if isinstance(cache.graph, str):
-        return cache.graph
+    if isinstance(cache.graphs.get(key), str):
+        return cache.graphs[key]
     if any(getattr(module, "held_on_host", False) for module in model.modules()):
         return "the Engram tables are in host memory (engram_device='cpu'): each step gathers its rows on the host"
     devices = {p.device for p in model.parameters()}
@@ -63,33 +67,46 @@ def unusable_reason(model, cache, input_ids: torch.Tensor) -> str | None:
 
 
 class DecodeGraph:
-    """The captured decode step of one static cache (its batch, its buffers), for one model."""
+    """The captured decode step of one static cache (its batch, its buffers), for one model, at one width: n new
+    tokens per row (1, or a multi-token step's block), with or without the DSpark stages' input as an output."""
 
-    def __init__(self, model, cache, mode: str):
-        self.model, self.cache, self.mode = model, cache, mode
+    def __init__(self, model, cache, mode: str, width: int = 1, dspark: bool = False):
+        self.model, self.cache, self.mode, self.width, self.dspark = model, cache, mode, width, dspark
         self.key = (cache.version, model_epoch(model), mode)
-        self.input_ids = None  # int64 [b, 1]: the graph's input, copied in before each replay
-        self.graph = self.hidden = self.logits = None  # the graph and its outputs (overwritten by each replay)
+        self.input_ids = None  # int64 [b, width]: the graph's input, copied in before each replay
+        self.graph = self.outputs = None  # the graph and its outputs (overwritten by each replay)
         if mode == "compile":
-            if getattr(model, "_compiled_decode_body", None) is None:
-                model._compiled_decode_body = torch.compile(model._decode_body, fullgraph=True, dynamic=False)
+            if getattr(model, "_compiled_decode_body", None) is None:  # one compiled function, a graph per shape
+                model._compiled_decode_body = torch.compile(model._decode_outputs, fullgraph=True, dynamic=False)
             self.body = model._compiled_decode_body
         else:
-            self.body = model._decode_body
+            self.body = model._decode_outputs
+
+    @property
+    def hidden(self):
+        return None if self.outputs is None else self.outputs[0]
+
+    @property
+    def logits(self):
+        return None if self.outputs is None else self.outputs[1]
 
     def stale(self) -> bool:
         """True once the cache's buffers were reallocated, the model moved or cast, or the mode changed."""
         return self.key != (self.cache.version, model_epoch(self.model), self.model.decode_graph)
 
     def __call__(self, input_ids: torch.Tensor):
-        """input_ids [b, 1] -> (hidden [b, 1, dim], fp32 logits [b, 1, vocab]), fresh tensors; advances the rows
-        (not the cache's column count, the caller's).  Raises ``CaptureError`` when the first step cannot be
-        captured; the step is then not done (the cache is as before), so the caller can run it eagerly."""
+        """input_ids [b, width] -> (hidden [b, width, dim], fp32 logits [b, width, vocab], the DSpark input [b, width,
+        targets·dim] or None), fresh tensors; advances the rows (not the cache's column count, the caller's).  Raises
+        ``CaptureError`` when the first step cannot be captured; the step is then not done (the cache is as before),
+        so the caller can run it eagerly."""
         if self.graph is None:
             return self._warm_up_and_capture(input_ids)
         self.input_ids.copy_(input_ids)
         self.graph.replay()
-        return self.hidden.clone(), self.logits.clone()
+        return fresh(self.outputs)
+
+    def _run(self):
+        return self.body(self.input_ids, self.cache, self.dspark)
 
     def _warm_up_and_capture(self, input_ids):
         current = torch.cuda.current_stream(input_ids.device)
@@ -103,28 +120,33 @@ class DecodeGraph:
                 if check_syncs:
                     torch.cuda.set_sync_debug_mode("error")
                 try:
-                    hidden, logits = self.body(self.input_ids, self.cache, head=True)
+                    outputs = self._run()
                 finally:
                     torch.cuda.set_sync_debug_mode(previous)
         except Exception as error:  # nothing advanced: the rows' advance is the step's last work
             current.wait_stream(side)
             raise CaptureError(f"its eager run failed: {first_line(error)}") from error
         current.wait_stream(side)
-        result = hidden.clone(), logits.clone()  # on the current stream, after the side stream's step
-        for t in (hidden, logits):
-            t.record_stream(current)
+        result = fresh(outputs)  # on the current stream, after the side stream's step
+        for t in outputs:
+            if t is not None:
+                t.record_stream(current)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.hidden, self.logits = self.body(self.input_ids, self.cache, head=True)
+                self.outputs = self._run()
         except Exception as error:
-            self.hidden = self.logits = None
+            self.outputs = None
             # the real step was done by the warm-up: its result stands, later steps run eagerly
-            self.cache.graph = f"capturing failed: {first_line(error)}"
-            log_fallback(self.cache.graph)
+            reason = self.cache.graphs[(self.width, self.dspark)] = f"capturing failed: {first_line(error)}"
+            log_fallback(reason)
             return result
         self.graph = graph
         return result
+
+
+def fresh(outputs):
+    return tuple(None if t is None else t.clone() for t in outputs)
 
 
 class CaptureError(RuntimeError):
@@ -140,20 +162,22 @@ def model_epoch(model) -> int:
     return getattr(model, "_decode_graph_epoch", 0)
 
 
-def graph_decode_step(model, cache, input_ids: torch.Tensor):
-    """One decode step of input_ids [b, 1] through the cache's graph (captured at its first step) -> (hidden,
-    logits), or None when it must run eagerly (the reason logged once, unless it is only CPU or "off")."""
-    reason = unusable_reason(model, cache, input_ids)
+def graph_decode_step(model, cache, input_ids: torch.Tensor, dspark: bool = False):
+    """One decode step of input_ids [b, n] (n = 1, or a multi-token step) through the cache's graph of that width
+    (captured at its first step) -> (hidden, logits, the DSpark input or None), or None when it must run eagerly
+    (the reason logged once, unless it is only CPU or "off")."""
+    key = (input_ids.shape[1], dspark)
+    reason = unusable_reason(model, cache, input_ids, key)
     if reason is not None:
         if reason:
             log_fallback(reason)
         return None
-    graph = cache.graph
+    graph = cache.graphs.get(key)
     if graph is None or graph.stale():
-        graph = cache.graph = DecodeGraph(model, cache, model.decode_graph)
+        graph = cache.graphs[key] = DecodeGraph(model, cache, model.decode_graph, *key)
     try:
         return graph(input_ids)
     except CaptureError as error:
-        cache.graph = str(error)
-        log_fallback(cache.graph)
+        cache.graphs[key] = str(error)
+        log_fallback(cache.graphs[key])
         return None

@@ -217,7 +217,7 @@ def draft_block(model, state: DSparkState, next_tokens: torch.Tensor, pick=None)
     pre = torch.zeros(b, B, hc, dtype=torch.float32, device=h.device)
     pre[..., 0] = 1.0
     last = state.lengths - 1  # each row's newest main position: the ring's slots up to it are filled
-    ring_slots = CSA2LayerCache(state.window, 0, False).window_slots(last)
+    ring_slots = CSA2LayerCache(state.window, 0, False).window_slots(last.unsqueeze(1))  # [b, 1, W]
     step = DSparkStep({layer: ring.window_kv for layer, ring in state.rings.items()}, ring_slots,
                       state.lengths.unsqueeze(1) + torch.arange(B, device=h.device))
     for stage in stages:

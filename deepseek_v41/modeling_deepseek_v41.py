@@ -427,13 +427,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             if pixel_values is not None or (vision_token_types is not None and (vision_token_types >= 0).any()):
                 raise ValueError("images go in the prompt (the first forward of a cache); decode steps are text")
             cache.check_room(input_ids.shape[1])
-            if targets:  # the DSpark stages' input: eager steps that also collect the target layers' stream means
-                hidden, dspark_hidden = self.decode(input_ids, cache, targets)
-                return with_cache(DeepseekV41ModelOutput, cache, last_hidden_state=hidden, dspark_hidden=dspark_hidden)
-            hidden, logits = self._decode_columns(input_ids, cache, not output_hidden_states)
-            if logits is None:
+            # targets: the DSpark stages' input too (the target layers' stream means; a verification forward)
+            hidden, logits, dspark_hidden = self._decode_columns(input_ids, cache, not output_hidden_states,
+                                                                 bool(targets))
+            if logits is None and not targets:
                 return with_cache(BaseModelOutputWithPast, cache, last_hidden_state=hidden)
-            return with_cache(DeepseekV41DecodeOutput, cache, last_hidden_state=hidden, logits=logits)
+            if logits is None:
+                return with_cache(DeepseekV41ModelOutput, cache, last_hidden_state=hidden, dspark_hidden=dspark_hidden)
+            return with_cache(DeepseekV41DecodeOutput, cache, last_hidden_state=hidden, logits=logits,
+                              dspark_hidden=dspark_hidden)
         if use_cache and cache is None:
             cache = DeepseekV41Cache(self.config)
         if cache is not None:
@@ -503,19 +505,33 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                              "(num_nextn_predict_layers or dspark_block_size is 0, or it is the headless backbone)")
         return tuple(self.config.text_config.dspark_target_layer_ids)
 
+    # Whether a decode forward of several new columns per row (a speculative block's verification) runs them as one
+    # multi-token step (True, where the cache's rings have room: ``decodes_at_once``) or one column at a time
+    decode_at_once = True
+
+    def decode_widths(self, cache: DeepseekV41Cache, columns: int) -> list:
+        """How a decode forward of ``columns`` new columns per row is split into steps: one step of all of them
+        when the cache can take them at once, else one per column."""
+        if columns > 1 and self.decode_at_once and cache.decodes_at_once(columns):
+            return [columns]
+        return [1] * columns
+
     def decode(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, targets=()):
         """input_ids [b, n] text tokens after the cached ones -> (hidden [b, n, dim], the DSpark input [b, n, ·] of
-        ``targets`` or None), one column at a time."""
-        hidden, means = [], []
-        for j in range(input_ids.shape[1]):
-            step, _ = self._decode_body(input_ids[:, j : j + 1], cache, means=means if targets else None)
-            cache.columns += 1
+        ``targets`` or None), in the steps of ``decode_widths``."""
+        hidden, means, start = [], [], 0
+        for width in self.decode_widths(cache, input_ids.shape[1]):
+            step, _ = self._decode_body(input_ids[:, start : start + width], cache, means=means if targets else None)
+            cache.columns += width
+            start += width
             hidden.append(step)
         return torch.cat(hidden, 1), (torch.cat(means, 1) if targets else None)
 
-    def _decode_columns(self, input_ids, cache, may_replay: bool):
-        # -> (hidden [b, n, dim], logits or None): the backbone has no head, and decodes eagerly
-        return self.decode(input_ids, cache)[0], None
+    def _decode_columns(self, input_ids, cache, may_replay: bool, dspark: bool = False):
+        # -> (hidden [b, n, dim], logits or None, the DSpark input or None): the backbone has no head, and decodes
+        # eagerly
+        hidden, means = self.decode(input_ids, cache, self.dspark_targets(dspark))
+        return hidden, None, means
 
     def _decode_step(self, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
         # input_ids [b, 1]: row i's token at position cache.lengths[i] -> hidden [b, 1, dim]
@@ -523,24 +539,33 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         cache.columns += 1
         return hidden
 
+    def _decode_outputs(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, dspark: bool = False):
+        # _decode_body with the head, as one function of tensors (what decode_graph.py captures or compiles):
+        # -> (hidden [b, n, dim], fp32 logits [b, n, vocab], the DSpark input [b, n, targets·dim] or None)
+        means = [] if dspark else None
+        hidden, logits = self._decode_body(input_ids, cache, head=True, means=means)
+        return hidden, logits, (means[0] if dspark else None)
+
     def _decode_body(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, head: bool = False, means=None):
-        # The device work of one decode step, which a CUDA graph captures (decode_graph.py): the blocks, the final
-        # norm, the head when asked (-> (hidden [b, 1, dim], fp32 logits [b, 1, vocab] or None)), and last the rows'
-        # advance (their counts and Engram context; the host's column count is the caller's).  With a static cache
-        # every shape is fixed and nothing is read back to the host.  means (a list, eager only): gets the DSpark
-        # targets' stream means concatenated [b, 1, targets·dim]
+        # The device work of one decode step of input_ids [b, n] (n = 1, or a multi-token step: row i's tokens at
+        # positions cache.lengths[i] + 0 .. n-1, each seeing those before it), which a CUDA graph captures
+        # (decode_graph.py): the blocks, the final norm, the head when asked (-> (hidden [b, n, dim], fp32 logits
+        # [b, n, vocab] or None)), and last the rows' advance (their counts and Engram context; the host's column
+        # count is the caller's).  With a static cache every shape is fixed and nothing is read back to the host.
+        # means (a list): gets the DSpark targets' stream means concatenated [b, n, targets·dim]
+        b, n = input_ids.shape
         hashes = {}
         if cache.engram_ids is not None:  # each Engram layer's n-grams over the cached look-back context
             context, dead = cache.engram_context(input_ids)
             hashes = {
-                layer.layer: layer.engram.hash(context, dead)[:, -1:] for layer in self.layers if layer.engram is not None
+                layer.layer: layer.engram.hash(context, dead)[:, -n:] for layer in self.layers if layer.engram is not None
             }
         h = self.embed(input_ids)
-        b = h.shape[0]
-        x = h.unsqueeze(2).expand(b, 1, self.hc, h.shape[-1]).contiguous()
-        pre = torch.zeros(b, 1, self.hc, dtype=torch.float32, device=h.device)
+        x = h.unsqueeze(2).expand(b, n, self.hc, h.shape[-1]).contiguous()
+        pre = torch.zeros(b, n, self.hc, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1.0
-        state = CSA2State(cache, positions=cache.lengths)
+        positions = cache.lengths.unsqueeze(1) + torch.arange(n, device=cache.lengths.device)  # [b, n]
+        state = CSA2State(cache, positions=positions)
         targets = self.config.text_config.dspark_target_layer_ids if means is not None else ()
         collected = []
         for layer in self.layers:
@@ -582,9 +607,10 @@ class DeepseekV41ModelOutput(BaseModelOutputWithPast):
 @dataclass
 class DeepseekV41DecodeOutput(BaseModelOutputWithPast):
     """The backbone's output for a causal LM's decode step replayed as a CUDA graph, which runs the head inside the
-    graph: ``BaseModelOutputWithPast`` plus those fp32 logits [b, n, vocab]."""
+    graph: ``BaseModelOutputWithPast`` plus those fp32 logits [b, n, vocab] (and ``dspark_hidden`` when asked for)."""
 
     logits: torch.FloatTensor | None = None
+    dspark_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -703,23 +729,25 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     static_cache_pool_size = 4  # static caches (and their graphs) generate keeps for reuse, the most recent ones
     static_cache_granularity = 256  # generate's static caches hold a multiple of this many positions
 
-    def _decode_columns(self, input_ids, cache, may_replay: bool):
-        # -> (hidden [b, n, dim], fp32 logits [b, n, vocab] or None): through the static cache's CUDA graph when it
-        # can run as one (logits from the head inside it), else eagerly (the head applied by forward)
+    def _decode_columns(self, input_ids, cache, may_replay: bool, dspark: bool = False):
+        # -> (hidden [b, n, dim], fp32 logits [b, n, vocab] or None, the DSpark input or None): through the static
+        # cache's CUDA graph of the step's width (one per width: 1, or n for a multi-token step) when it can run as
+        # one (logits from the head inside it), else eagerly (the head applied by forward)
         from .decode_graph import graph_decode_step
 
         if not (may_replay and cache.is_static and input_ids.is_cuda):
-            return super()._decode_columns(input_ids, cache, may_replay)
-        hidden, logits = [], []
-        for j in range(input_ids.shape[1]):
-            column = input_ids[:, j : j + 1]
-            out = graph_decode_step(self, cache, column)
+            return super()._decode_columns(input_ids, cache, may_replay, dspark)
+        outs, start = [], 0
+        for width in self.decode_widths(cache, input_ids.shape[1]):
+            columns = input_ids[:, start : start + width]
+            out = graph_decode_step(self, cache, columns, dspark)
             if out is None:
-                out = self._decode_body(column, cache, head=True)
-            cache.columns += 1
-            hidden.append(out[0])
-            logits.append(out[1])
-        return torch.cat(hidden, 1), torch.cat(logits, 1)
+                out = self._decode_outputs(columns, cache, dspark)
+            cache.columns += width
+            start += width
+            outs.append(out)
+        hidden, logits, means = zip(*outs)
+        return torch.cat(hidden, 1), torch.cat(logits, 1), (torch.cat(means, 1) if dspark else None)
 
     def static_cache(self, batch_size: int, max_cache_len: int, rollback_tokens: int = 0) -> DeepseekV41StaticCache:
         """A ``DeepseekV41StaticCache`` for ``batch_size`` rows and at least ``max_cache_len`` positions (rounded up

@@ -48,8 +48,8 @@ def test_window_ring_past_the_window_with_left_padding(spare):
     address = layer.window_kv.data_ptr()
     for _ in range(11):  # every row well past the window
         new = torch.stack([code_of(i, int(p)) for i, p in enumerate(pos)])
-        ring = layer.push_window(new, pos)
-        slots = layer.window_slots(pos)[:, 0]  # [b, R]
+        ring = layer.push_window(new.unsqueeze(1), pos.unsqueeze(1))  # one token per row: [b, 1, ·]
+        slots = layer.window_slots(pos.unsqueeze(1))[:, 0]  # [b, R]
         for i, p in enumerate(pos.tolist()):
             seen = sorted(int(ring[i, j, 0]) for j in slots[i].tolist() if j >= 0)
             assert seen == [1000 * i + q + 1 for q in range(max(0, p - window + 1), p + 1)], (i, p, spare)
@@ -70,13 +70,15 @@ def test_compressed_entries_and_carry_at_group_boundaries(spare):
     pos = torch.tensor(lengths)
     for _ in range(9):
         new = torch.stack([code_of(i, int(p)) for i, p in enumerate(pos)])
-        kv, score = layer.push_carry(new, -new, pos)  # the group's r projections, in position order
+        kv, score = layer.push_carry(new[:, None], -new[:, None], pos[:, None])  # the group's r projections
+        kv, score = kv[:, 0], score[:, 0]  # in position order
         for i, p in enumerate(pos.tolist()):
             start = p // ratio * ratio
             for j in range(p - start + 1):  # the group's positions seen so far
                 assert torch.equal(kv[i, j], code_of(i, start + j)) and torch.equal(score[i, j], -code_of(i, start + j))
         entry = pos // ratio
-        layer.push_entry(10_000 + new, 10_000 + new[:, :1], entry, (pos + 1) % ratio == 0, None)
+        layer.push_entry(10_000 + new[:, None], 10_000 + new[:, None, :1], entry[:, None], (pos[:, None] + 1) % ratio == 0,
+                         None)
         pos = pos + 1
         for i, n in enumerate(pos.tolist()):  # every entry a row sees: its prefill's, then the decoded groups'
             for j in range(n // ratio):
