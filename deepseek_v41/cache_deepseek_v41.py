@@ -194,7 +194,8 @@ class DeepseekV41Cache(Cache):
     """A transformers ``Cache`` for DeepSeek-V4.1 (CSA2 attention, Engram): ``use_cache=True`` returns one,
     ``past_key_values=`` / ``cache=`` takes it back; ``generate`` reorders and repeats it for beam search.
 
-    Decoding runs one token per row per step (several new columns are decoded one after the other).
+    A decode step takes one token per row, or n <= ``rollback_tokens`` + 1 (a multi-token step: a speculative
+    block verified in one pass; ``decodes_at_once``); wider inputs are decoded one column after the other.
     ``rollback_tokens``: how many of its last positions per row it can forget (``rollback``, ``crop``)."""
 
     # generate's auto-compile (torch.compile of the whole forward, prefill included) stays off: the model captures

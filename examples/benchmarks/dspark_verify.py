@@ -8,18 +8,23 @@ prefill into a static cache that can undo a block:
 
 * ``step``: one decode step as ``generate`` runs it (``decode.py``'s call; ``--mode cuda_graph``: replayed graph);
 * ``verify``: the forward over [last token, B drafts] with the stages' input (``output_dspark_hidden=True``, what
-  ``generate(use_dspark=True)`` runs), then rolled back (untimed);
-* ``verify_columns``: the same B + 1 columns without the stages' input (each column a ``step``): the floor of the
-  current column-by-column verification;
+  ``generate(use_dspark=True)`` runs): one multi-token step (``--mode cuda_graph``: its own replayed graph, one per
+  block width), then rolled back (untimed);
+* ``verify_columns``: the same forward as before the multi-token step (``decode_at_once = False``): B + 1 eager
+  one-token steps;
 * ``draft``: ``dspark.draft_block`` (the stages once over the block, the Markov chain over its B positions).
 
-Printed: milliseconds of each (mean over ``--reps``), verify / step (issue 42's target: <= 1.5), kernels per call and
-GPU-busy share (torch.profiler; ``decode.py``'s definition) of ``step`` and ``verify``, and the tokens/s a real
-checkpoint would reach at SGLang's acceptance (``--accepted``, 5.4 tokens per step): accepted / (draft + verify)
-against 1 / step.
+Printed: milliseconds of each (mean over ``--reps``), verify / step (issue 42's target: <= 1.5) and verify_columns /
+step, kernels per call (CPU: top-level aten ops) and GPU-busy share (torch.profiler; ``decode.py``'s definition) of
+``step``, ``verify`` (and kernels of ``verify_columns``), and the tokens/s a real checkpoint would reach at SGLang's
+acceptance (``--accepted``, 5.4 tokens per step): accepted / (draft + verify) against 1 / step.
+
+CPU (``--device cpu``): ``decode.py``'s tiny config (``--cpu-size mid``: the same structure at mid widths) plus three
+stages, fp32, the growing cache ``generate(use_dspark=True)`` uses there, eager (no graphs).
 
     python examples/benchmarks/dspark_verify.py [--contexts 4096 32768] [--out examples/benchmarks/results/dspark_verify_h200.txt]
-    python examples/benchmarks/dspark_verify.py --device cpu      # a tiny config: checks the script runs
+    python examples/benchmarks/dspark_verify.py --torch-attention     # a GPU without TileLang's kernels
+    python examples/benchmarks/dspark_verify.py --device cpu --mode off [--cpu-size mid]
 """
 
 import argparse
@@ -32,34 +37,37 @@ from deepseek_v41.dspark import DSparkState, draft_block
 from deepseek_v41.modeling_deepseek_v41 import GENERATE_DECODE_STEP, DeepseekV41ForCausalLM, default_dtype
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import profile_steps, time_steps, tokenizer
+from decode import profile_steps, time_steps, tiny_text_config, tokenizer
 
 DSPARK = {"num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
           "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3}
 
 
-def build_model(device):
+# --cpu-size mid: the tiny CPU config at widths where a step's arithmetic starts to count next to its op overhead
+MID = {"hidden_size": 512, "moe_intermediate_size": 512, "num_attention_heads": 8, "head_dim": 128,
+       "qk_rope_head_dim": 32, "q_lora_rank": 256, "o_lora_rank": 128, "o_groups": 4, "n_routed_experts": 16,
+       "sliding_window": 128, "index_n_heads": 16, "index_head_dim": 64, "index_topk": 64, "candidate_block_size": 16,
+       "engram_head_dim": 64}
+
+
+def build_model(device, args):
     from deepseek_v41 import DeepseekV41Config
 
     torch.manual_seed(0)
     if device.type == "cpu":
-        text = {"vocab_size": 129280, "hidden_size": 64, "moe_intermediate_size": 64, "num_hidden_layers": 4,
-                "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 64,
-                "o_lora_rank": 32, "o_groups": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
-                "sliding_window": 16, "compress_ratios": [2, 2, 1, 1], "kv_source_layer_ids": [0, 2],
-                "index_source_layer_ids": [0, 2, 3], "candidate_source_layer_id": 2, "index_n_heads": 8,
-                "index_head_dim": 32, "index_topk": 8, "candidate_topk_blocks": 4, "candidate_block_size": 4,
-                "engram_layer_ids": [1], "engram_num_embeddings": [1464], "engram_vocab_size": 97,
-                "engram_n_heads": 4, "engram_head_dim": 32}
+        text = tiny_text_config()
+        if args.cpu_size == "mid":
+            text.update(MID)
         text.update(DSPARK, dspark_markov_rank=8, dspark_n_routed_experts=8, dspark_target_layer_ids=[1, 2, 3],
-                    compress_ratios=[2, 2, 1, 1, 0, 0, 0])
+                    compress_ratios=text["compress_ratios"] + [0, 0, 0])
         config, dtype = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0}), torch.float32
     else:
         from train_step import proxy_config
 
         from deepseek_v41.kernels_tilelang import tilelang_available
 
-        config = proxy_config({"attn": "tilelang" if tilelang_available()[0] else "torch", "experts": "torch_mm"})
+        use_tilelang = tilelang_available()[0] and not args.torch_attention
+        config = proxy_config({"attn": "tilelang" if use_tilelang else "torch", "experts": "torch_mm"})
         text = config.text_config
         for key, value in DSPARK.items():
             setattr(text, key, value)
@@ -86,10 +94,18 @@ def measure(model, ids, block, args, device) -> str:
     state.add(model.mtp, out.dspark_hidden)
     token = out.logits[:, -1:].argmax(-1)
     model.decode_graph = args.mode
+
+    def columns():  # the verification as before the multi-token step: B + 1 one-token steps
+        model.decode_at_once = False
+        try:
+            return model(block, cache=cache, output_dspark_hidden=True)
+        finally:
+            model.decode_at_once = True
+
     calls = {
         "step": lambda: model(token, cache=cache, **{GENERATE_DECODE_STEP: True}),
         "verify": lambda: model(block, cache=cache, output_dspark_hidden=True),
-        "verify_columns": lambda: model(block, cache=cache, **{GENERATE_DECODE_STEP: True}),
+        "verify_columns": columns,
         "draft": lambda: draft_block(model, state, token[:, 0]),
         "rollback": lambda: cache.rollback(0),
     }
@@ -99,11 +115,13 @@ def measure(model, ids, block, args, device) -> str:
     ms = {name: 1e3 * time_steps(call, args.reps, device) for name, call in calls.items()}
     k_step, busy_step = profile_steps(calls["step"], 3, device)
     k_verify, busy_verify = profile_steps(calls["verify"], 3, device)
+    k_columns, _ = profile_steps(calls["verify_columns"], 3, device)
     plain = 1e3 / ms["step"]
     spec = args.accepted * 1e3 / (ms["draft"] + ms["verify"] + ms["rollback"])
     return (f"{ids.shape[1]:7d} {ms['step']:8.2f} {ms['verify']:10.2f} {ms['verify_columns']:18.2f} "
-            f"{ms['draft']:9.2f} {ms['rollback']:12.3f} {ms['verify'] / ms['step']:12.2f} {k_step:10.0f}/"
-            f"{k_verify:<8.0f} {100 * busy_step:10.1f}/{100 * busy_verify:<9.1f} {plain:12.1f} {spec:14.1f}")
+            f"{ms['draft']:9.2f} {ms['rollback']:12.3f} {ms['verify'] / ms['step']:12.2f} "
+            f"{ms['verify_columns'] / ms['step']:20.2f} {k_step:8.0f}/{k_verify:.0f}/{k_columns:<8.0f} "
+            f"{100 * busy_step:10.1f}/{100 * busy_verify:<9.1f} {plain:12.1f} {spec:14.1f}")
 
 
 def main():
@@ -114,16 +132,19 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--accepted", type=float, default=5.4, help="tokens per step at the projection (SGLang)")
     parser.add_argument("--out", type=Path, help="append the table to this file")
+    parser.add_argument("--torch-attention", action="store_true", help="GPU: the torch attention backend, not TileLang")
+    parser.add_argument("--cpu-size", choices=["tiny", "mid"], default="tiny", help="CPU: decode.py's tiny config or "
+                        "the same structure at mid widths (hidden 512, head_dim 128, window 128)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    model = build_model(device)
+    model = build_model(device, args)
     text = model.config.text_config
     B = text.dspark_block_size
     title = (f"{text.num_hidden_layers}-layer proxy + {len(model.mtp)} DSpark stages (blocks of {B}, "
              f"{text.dspark_n_routed_experts} experts top-{text.dspark_num_experts_per_tok}), {model.embed.weight.dtype}, "
              f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, step mode {args.mode}")
-    header = ("context  step ms  verify ms  verify_columns ms  draft ms  rollback ms  verify/step  kernels step/verify  "
-              f"GPU busy % step/verify  tok/s plain  tok/s at {args.accepted} accepted")
+    header = ("context  step ms  verify ms  verify_columns ms  draft ms  rollback ms  verify/step  verify_columns/step  "
+              f"kernels step/verify/columns  GPU busy % step/verify  tok/s plain  tok/s at {args.accepted} accepted")
     lines = [title, header]
     print("\n".join(lines), flush=True)
     generator = torch.Generator().manual_seed(0)

@@ -1,0 +1,98 @@
+"""The multi-token decode step replayed as a CUDA graph (decode_graph.py, one graph per block width), on the GPU:
+
+    python -m pytest -q tests/gpu/test_multi_token_decode_gpu.py
+
+* graph = eager for blocks of 5 tokens per row with rollbacks between them (bf16, a left-padded batch of 3): the
+  replay runs the eager step's kernels, so its logits, DSpark input and cache are the eager step's bit for bit; the
+  eager multi-token step against the same tokens fed column by column within the static cache's bf16 gates;
+* each width gets its own graph, captured once and replayed;
+* ``generate(use_dspark=True)`` on the DSpark fixture (fp32, static cache, graphs) gives plain greedy decoding's
+  tokens, its verifications through the (B + 1)-token graph.
+Needs a CUDA GPU; skips otherwise.
+"""
+
+import copy
+
+import pytest
+import torch
+from conftest import DSPARK_FIXTURE, golden_dir, tiny_model
+
+from deepseek_v41.cache_deepseek_v41 import DeepseekV41StaticCache
+from deepseek_v41.decode_graph import DecodeGraph
+from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
+from deepseek_v41.parity import logits_metrics
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SPARE, WIDTH = 4, 5
+
+
+@pytest.fixture(scope="module")
+def model(v4_tokenizer):
+    return tiny_model(v4_tokenizer, dtype=torch.bfloat16).cuda().eval()
+
+
+def prefilled(model, lengths, seed=0):
+    """A static cache that can undo SPARE positions, after a left-padded prefill of random prompts of ``lengths``;
+    and each row's continuation ids [b, 64]."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), 2)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, 1000, (n,), generator=g)
+        mask[row, width - n :] = 1
+    cache = DeepseekV41StaticCache(model.config, width + 80, rollback_tokens=SPARE)
+    model(ids.cuda(), attention_mask=mask.cuda(), cache=cache)
+    return cache, torch.randint(3, 1000, (len(lengths), 64), generator=g).cuda()
+
+
+@torch.no_grad()
+def test_multi_token_graph_equals_eager_and_columns(model):
+    graph_cache, rest = prefilled(model, [37, 5, 21])
+    eager_cache = copy.deepcopy(graph_cache)
+    at = torch.zeros(3, dtype=torch.long)
+    graph_logits, eager_logits, column_logits = [], [], []
+    for back in ([4, 0, 2], [1, 3, 0], [0, 0, 4], [2, 4, 1], [3, 1, 0]):
+        block = torch.stack([rest[i, int(at[i]) : int(at[i]) + WIDTH] for i in range(3)])
+        model.decode_graph = "cuda_graph"
+        graph = model(block, cache=graph_cache)
+        model.decode_graph = "off"
+        columns = copy.deepcopy(eager_cache)
+        eager = model(block, cache=eager_cache)
+        model.decode_at_once = False
+        column_logits.append(model(block, cache=columns).logits)
+        model.decode_at_once = True
+        graph_logits.append(graph.logits)
+        eager_logits.append(eager.logits)
+        for cache in (graph_cache, eager_cache):
+            cache.rollback(torch.tensor(back))
+        at += WIDTH - torch.tensor(back)
+    model.decode_graph = "cuda_graph"
+    captured = graph_cache.graphs[(WIDTH, False)]
+    assert isinstance(captured, DecodeGraph) and captured.graph is not None  # captured once, then replayed
+    for got, expected in zip(graph_logits, eager_logits):
+        assert torch.equal(got, expected)
+    for mine, theirs in zip(graph_cache.layers, eager_cache.layers):
+        for name, tensor in mine.tensors().items():
+            assert torch.equal(tensor, theirs.tensors()[name]), name
+    eager, columns = torch.cat(eager_logits, 1).flatten(0, 1), torch.cat(column_logits, 1).flatten(0, 1)
+    assert torch.equal(eager.argmax(-1), columns.argmax(-1))
+    assert logits_metrics(columns.float(), eager.float())["mean_kl"] <= 1e-4  # test_static_cache's bf16 gate
+
+
+@torch.no_grad()
+def test_speculative_greedy_through_the_block_graph_equals_greedy():
+    model = DeepseekV41ForCausalLM.from_pretrained(golden_dir(DSPARK_FIXTURE) / "snapshot", dtype=torch.float32)
+    model = model.cuda().eval()
+    B = model.config.text_config.dspark_block_size
+    from safetensors.torch import load_file
+
+    ids = load_file(str(golden_dir(DSPARK_FIXTURE) / "reference" / "golden.safetensors"))["input_ids"].cuda()
+    model.release_static_caches()
+    plain = model.generate(ids[:, :20], max_new_tokens=24, do_sample=False)
+    spec = model.generate(ids[:, :20], max_new_tokens=24, do_sample=False, use_dspark=True)
+    assert torch.equal(spec, plain)
+    caches = list(model.__dict__["_static_caches"].values())
+    verify = [c.graphs.get((B + 1, True)) for c in caches]
+    assert any(isinstance(g, DecodeGraph) and g.graph is not None for g in verify), verify

@@ -1,0 +1,204 @@
+"""The multi-token decode step (``DeepseekV41Model.decode_widths``): a decode forward of n <= rollback_tokens + 1 new
+columns per row (a speculative block's verification) runs as one step instead of n one-token steps.  On CPU:
+
+* its logits equal feeding the same tokens one column at a time, and a full forward over the whole sequence, for a
+  left-padded batch whose rows sit at different positions, at every offset within a compression group, past the
+  window, with the growing and the static cache (fp32 at the rounding floor, bf16 within the static cache's gates);
+* it leaves the cache a later step reads exactly as the columns leave it (fp32), rollback included;
+* the DSpark stages' input it returns, and ``generate(use_dspark=True)`` verifying each block in one step;
+* a static cache's multi-token step has the same ops and shapes at every position and reads nothing back to the
+  host (what CUDA graph capture needs), and compiles as one graph;
+* a block wider than the cache's rings can take falls back to columns."""
+
+import copy
+
+import pytest
+import torch
+from conftest import DSPARK_FIXTURE, golden_dir
+from test_cache_rollback import assert_same_state, visible_state
+from test_static_cache import OpRecorder
+
+from deepseek_v41.cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
+from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
+from deepseek_v41.parity import logits_metrics
+
+SPARE = 4  # positions the caches here can undo: blocks of up to 5 tokens go in one step
+WIDTH = SPARE + 1
+
+
+def load(name, dtype):
+    return DeepseekV41ForCausalLM.from_pretrained(golden_dir(name) / "snapshot", dtype=dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def model_fp32():
+    return load("v41_tiny_text", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model_bf16():
+    return load("v41_tiny_text", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    from safetensors.torch import load_file
+
+    return load_file(str(golden_dir("v41_tiny_text") / "reference" / "golden.safetensors"))["input_ids"]  # [2, 64]
+
+
+def new_cache(model, kind, spare=SPARE):
+    if kind == "static":
+        return DeepseekV41StaticCache(model.config, 64, rollback_tokens=spare)
+    return DeepseekV41Cache(model.config, rollback_tokens=spare)
+
+
+def prefill(model, ids, start, kind, lag=3):
+    """A left-padded batch: row 0 holds ids[0, :start], row 1 ids[1, :start - lag] (its positions run ``lag``
+    behind).  -> (cache, each row's continuation ids [2, 64 - start])."""
+    prompt, mask = ids[:, :start].clone(), torch.ones(2, start, dtype=torch.long)
+    prompt[1, lag:], prompt[1, :lag], mask[1, :lag] = ids[1, : start - lag], 2, 0
+    cache = new_cache(model, kind)
+    model(prompt, attention_mask=mask, cache=cache)
+    rest = torch.stack([ids[0, start:], ids[1, start - lag : 64 - lag]])
+    return cache, rest
+
+
+def decode(model, cache, block, at_once: bool, **kwargs):
+    model.decode_at_once = at_once
+    try:
+        return model(block, cache=cache, **kwargs)
+    finally:
+        model.decode_at_once = True
+
+
+def relative(a, b):  # per position: |a - b| / |b| over the vocabulary
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["growing", "static"])
+def test_multi_token_step_equals_columns_and_the_full_forward_fp32(model_fp32, ids, kind):
+    # starts 17 .. 20: the block's first token at both offsets of a ratio-2 group in each row (row 1 lags 3), every
+    # block crossing group completions; all past the window of 16
+    for start in range(17, 21):
+        cache, rest = prefill(model_fp32, ids, start, kind)
+        columns = copy.deepcopy(cache)
+        block = rest[:, :WIDTH]
+        multi = decode(model_fp32, cache, block, True).logits
+        single = decode(model_fp32, columns, block, False).logits
+        # measured: relative difference <= 1.1e-6 (the GEMMs of 10 rows against 2 round differently); gate 4e-6
+        assert relative(multi, single) <= 4e-6, start
+        for row, lag in ((0, 0), (1, 3)):  # the independent reference: a full forward over the row's tokens
+            full = model_fp32(ids[row : row + 1, : start - lag + WIDTH]).logits[0, -WIDTH:]
+            assert relative(multi[row], full) <= 1e-5, (start, row)  # test_static_cache's gate for one-token steps
+        assert_same_state(visible_state(cache), visible_state(columns), (kind, start))
+        assert cache.get_seq_length() == columns.get_seq_length() == start + WIDTH
+        # rolled back after partial acceptance, then the next block: still the columns' state and logits
+        for c in (cache, columns):
+            c.rollback(torch.tensor([3, 1]))
+        assert_same_state(visible_state(cache), visible_state(columns), (kind, start, "rollback"))
+        again = torch.stack([rest[0, 2 : 2 + WIDTH], rest[1, 4 : 4 + WIDTH]])
+        assert relative(decode(model_fp32, cache, again, True).logits,
+                        decode(model_fp32, columns, again, False).logits) <= 4e-6, start
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["growing", "static"])
+def test_multi_token_step_within_the_bf16_gates(model_bf16, ids, kind):
+    # bf16 rounds each step's cache writes from differently blocked GEMMs: the gates of the static cache against the
+    # growing one (test_static_cache: the same greedy tokens, mean KL <= 1e-4)
+    multi, single = [], []
+    for start in range(17, 21):
+        cache, rest = prefill(model_bf16, ids, start, kind)
+        columns = copy.deepcopy(cache)
+        multi.append(decode(model_bf16, cache, rest[:, :WIDTH], True).logits)
+        single.append(decode(model_bf16, columns, rest[:, :WIDTH], False).logits)
+    multi, single = torch.cat(multi, 1).flatten(0, 1), torch.cat(single, 1).flatten(0, 1)
+    assert torch.equal(multi.argmax(-1), single.argmax(-1))
+    assert logits_metrics(single, multi)["mean_kl"] <= 1e-4
+
+
+@torch.no_grad()
+def test_a_block_wider_than_the_rings_falls_back_to_columns(model_fp32, ids):
+    cache = new_cache(model_fp32, "growing", spare=1)
+    model_fp32(ids[:, :20], cache=cache)
+    assert model_fp32.decode_widths(cache, 2) == [2] and model_fp32.decode_widths(cache, 3) == [1, 1, 1]
+    columns = copy.deepcopy(cache)
+    wide = decode(model_fp32, cache, ids[:, 20:23], True).logits
+    assert torch.equal(wide, decode(model_fp32, columns, ids[:, 20:23], False).logits)
+
+
+@pytest.fixture(scope="module")
+def dspark_model():
+    return load(DSPARK_FIXTURE, torch.float32)
+
+
+@torch.no_grad()
+def test_dspark_input_and_speculative_verification_in_one_step(dspark_model, monkeypatch):
+    from safetensors.torch import load_file
+
+    ids = load_file(str(golden_dir(DSPARK_FIXTURE) / "reference" / "golden.safetensors"))["input_ids"]
+    B = dspark_model.config.text_config.dspark_block_size
+    cache = DeepseekV41Cache(dspark_model.config, rollback_tokens=B)
+    dspark_model(ids[:, :19], cache=cache)
+    columns = copy.deepcopy(cache)
+    multi = decode(dspark_model, cache, ids[:, 19 : 20 + B], True, output_dspark_hidden=True)
+    single = decode(dspark_model, columns, ids[:, 19 : 20 + B], False, output_dspark_hidden=True)
+    assert multi.dspark_hidden.shape == single.dspark_hidden.shape
+    assert relative(multi.dspark_hidden, single.dspark_hidden) <= 4e-6  # as the logits' gate above
+    assert relative(multi.logits, single.logits) <= 4e-6
+    # generate(use_dspark=True): each verification is one step of B + 1 tokens, and greedy is still plain greedy
+    widths, body = [], type(dspark_model)._decode_body
+
+    def recorded(self, input_ids, *args, **kwargs):
+        widths.append(input_ids.shape[1])
+        return body(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(dspark_model), "_decode_body", recorded)
+    spec = dspark_model.generate(ids[:1, :20], max_new_tokens=12, do_sample=False, use_dspark=True)
+    assert widths and set(widths) == {B + 1}, widths
+    monkeypatch.undo()
+    assert torch.equal(spec, dspark_model.generate(ids[:1, :20], max_new_tokens=12, do_sample=False))
+
+
+def step_ops(model, cache, block):
+    with OpRecorder() as recorder:
+        model._decode_outputs(block, cache, False)
+    cache.columns += block.shape[1]
+    return recorder
+
+
+@torch.no_grad()
+def test_static_multi_token_step_has_fixed_shapes_and_no_host_reads(model_bf16, ids):
+    # as speculative decoding runs it: a block, a rollback by a row-dependent count, the next block; across group
+    # completions and past the window, rows at different positions
+    cache, rest = prefill(model_bf16, ids, 17, "static")
+    buffers = [t.data_ptr() for layer in cache.layers for t in layer.tensors().values()]
+    steps, at = [], torch.zeros(2, dtype=torch.long)
+    for k, back in enumerate(([4, 0], [1, 3], [0, 0], [2, 4], [3, 1])):
+        block = torch.stack([rest[i, int(at[i]) : int(at[i]) + WIDTH] for i in range(2)])
+        steps.append(step_ops(model_bf16, cache, block))
+        cache.rollback(torch.tensor(back))
+        at += WIDTH - torch.tensor(back)
+    assert not any(step.reads for step in steps)
+    assert all(step.ops == steps[0].ops for step in steps[1:])
+    assert buffers == [t.data_ptr() for layer in cache.layers for t in layer.tensors().values()]
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_static_multi_token_step_compiles_as_one_graph(model_bf16, ids):
+    # fullgraph: no graph break (host read, data-dependent shape); error_on_recompile: one graph for every position
+    torch._dynamo.reset()
+    caches = [prefill(model_bf16, ids, 17, "static")[0] for _ in range(2)]
+    rest = prefill(model_bf16, ids, 17, "static")[1]
+    compiled = torch.compile(model_bf16._decode_outputs, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for k in range(3):
+            block = rest[:, k * WIDTH : (k + 1) * WIDTH]
+            eager = model_bf16._decode_outputs(block, caches[0], False)
+            graph = compiled(block, caches[1], False)
+            assert torch.equal(eager[0], graph[0]) and torch.equal(eager[1], graph[1]), k
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+    torch._dynamo.reset()
