@@ -27,7 +27,9 @@ WIDTH = SPARE + 1
 
 
 def load(name, dtype):
-    return DeepseekV41ForCausalLM.from_pretrained(golden_dir(name) / "snapshot", dtype=dtype).eval()
+    # decoded at load: kept FP8 weights read their scales back to the host at every call (release_format.py)
+    return DeepseekV41ForCausalLM.from_pretrained(golden_dir(name) / "snapshot", dtype=dtype,
+                                                  dequantize_base_checkpoint=True).eval()
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,18 @@ def decode(model, cache, block, at_once: bool, **kwargs):
         model.decode_at_once = True
 
 
+def same_state(cache, columns, label):
+    """What a later step reads is the columns' bit for bit (window keys, entries, index keys: rounded to FP8 / FP4
+    before they are stored; counts; Engram look-back), but the open group's fp32 projections, which the compressor's
+    GEMM over b·n rows rounds differently from b rows (measured: relative <= 1.9e-7 per slot; gate 1e-6)."""
+    got, expected = visible_state(cache), visible_state(columns)
+    carry = [key for key in expected if isinstance(key, tuple) and key[-1] == "carry"]
+    for key in carry:
+        if expected[key].numel():
+            assert relative(got.pop(key), expected.pop(key)) <= 1e-6, (label, key)
+    assert_same_state(got, expected, label)
+
+
 def relative(a, b):  # per position: |a - b| / |b| over the vocabulary
     return ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
 
@@ -87,20 +101,20 @@ def test_multi_token_step_equals_columns_and_the_full_forward_fp32(model_fp32, i
         block = rest[:, :WIDTH]
         multi = decode(model_fp32, cache, block, True).logits
         single = decode(model_fp32, columns, block, False).logits
-        # measured: relative difference <= 1.1e-6 (the GEMMs of 10 rows against 2 round differently); gate 4e-6
-        assert relative(multi, single) <= 4e-6, start
+        # measured: relative difference <= 2.9e-7 (the GEMMs of 10 rows against 2 round differently); gate 1e-6
+        assert relative(multi, single) <= 1e-6, start
         for row, lag in ((0, 0), (1, 3)):  # the independent reference: a full forward over the row's tokens
             full = model_fp32(ids[row : row + 1, : start - lag + WIDTH]).logits[0, -WIDTH:]
             assert relative(multi[row], full) <= 1e-5, (start, row)  # test_static_cache's gate for one-token steps
-        assert_same_state(visible_state(cache), visible_state(columns), (kind, start))
+        same_state(cache, columns, (kind, start))
         assert cache.get_seq_length() == columns.get_seq_length() == start + WIDTH
         # rolled back after partial acceptance, then the next block: still the columns' state and logits
         for c in (cache, columns):
             c.rollback(torch.tensor([3, 1]))
-        assert_same_state(visible_state(cache), visible_state(columns), (kind, start, "rollback"))
+        same_state(cache, columns, (kind, start, "rollback"))
         again = torch.stack([rest[0, 2 : 2 + WIDTH], rest[1, 4 : 4 + WIDTH]])
         assert relative(decode(model_fp32, cache, again, True).logits,
-                        decode(model_fp32, columns, again, False).logits) <= 4e-6, start
+                        decode(model_fp32, columns, again, False).logits) <= 1e-6, start
 
 
 @torch.no_grad()
@@ -146,8 +160,8 @@ def test_dspark_input_and_speculative_verification_in_one_step(dspark_model, mon
     multi = decode(dspark_model, cache, ids[:, 19 : 20 + B], True, output_dspark_hidden=True)
     single = decode(dspark_model, columns, ids[:, 19 : 20 + B], False, output_dspark_hidden=True)
     assert multi.dspark_hidden.shape == single.dspark_hidden.shape
-    assert relative(multi.dspark_hidden, single.dspark_hidden) <= 4e-6  # as the logits' gate above
-    assert relative(multi.logits, single.logits) <= 4e-6
+    assert relative(multi.dspark_hidden, single.dspark_hidden) <= 1e-6  # as the logits' gate above
+    assert relative(multi.logits, single.logits) <= 1e-6
     # generate(use_dspark=True): each verification is one step of B + 1 tokens, and greedy is still plain greedy
     widths, body = [], type(dspark_model)._decode_body
 

@@ -116,12 +116,28 @@ def measure(model, ids, block, args, device) -> str:
     k_step, busy_step = profile_steps(calls["step"], 3, device)
     k_verify, busy_verify = profile_steps(calls["verify"], 3, device)
     k_columns, _ = profile_steps(calls["verify_columns"], 3, device)
+    if args.profile_table:  # where each call's time goes: the top ops by self time (CPU) or kernels (CUDA)
+        op_table(calls, args.profile_table, f"context {ids.shape[1]}", device)
     plain = 1e3 / ms["step"]
     spec = args.accepted * 1e3 / (ms["draft"] + ms["verify"] + ms["rollback"])
     return (f"{ids.shape[1]:7d} {ms['step']:8.2f} {ms['verify']:10.2f} {ms['verify_columns']:18.2f} "
             f"{ms['draft']:9.2f} {ms['rollback']:12.3f} {ms['verify'] / ms['step']:12.2f} "
             f"{ms['verify_columns'] / ms['step']:20.2f} {k_step:8.0f}/{k_verify:.0f}/{k_columns:<8.0f} "
             f"{100 * busy_step:10.1f}/{100 * busy_verify:<9.1f} {plain:12.1f} {spec:14.1f}")
+
+
+def op_table(calls, path, title, device, reps=3, rows=12):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "a") as f:
+        for name in ("step", "verify", "verify_columns"):
+            with profile(activities=activities) as prof:
+                for _ in range(reps):
+                    calls[name]()
+            f.write(f"\n## {title}, {name} ({reps} calls)\n")
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n")
 
 
 def main():
@@ -132,6 +148,7 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--accepted", type=float, default=5.4, help="tokens per step at the projection (SGLang)")
     parser.add_argument("--out", type=Path, help="append the table to this file")
+    parser.add_argument("--profile-table", type=Path, help="append each call's top ops (torch.profiler) to this file")
     parser.add_argument("--torch-attention", action="store_true", help="GPU: the torch attention backend, not TileLang")
     parser.add_argument("--cpu-size", choices=["tiny", "mid"], default="tiny", help="CPU: decode.py's tiny config or "
                         "the same structure at mid widths (hidden 512, head_dim 128, window 128)")
