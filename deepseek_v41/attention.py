@@ -491,12 +491,11 @@ class Attention(nn.Module):
                 kv, score = self.compressor.project(xt[0].view(b, n, -1))  # fp32 [b, n, head_dim] each
                 kv, score = layer_cache.push_carry(kv, score, pos)  # each token's group [b, n, r, head_dim]
                 latent = self.compressor.pool(kv, score, xt.dtype).view(1, b * n, -1)
-            entry = pos // r
             scratch = CSA2State()
-            self._publish_entries(scratch, latent, self._rope_cis(entry.reshape(-1) * r))
+            self._publish_entries(scratch, latent, self._rope_cis((pos // r * r).reshape(-1)))  # entry at j·r
             layer_cache.push_entry(
                 scratch.read(self.layer, "compressed_kv").view(b, n, -1), scratch.read(self.layer, "index_k").view(b, n, -1),
-                entry, (pos + 1) % r == 0, state.cache.entries_needed(r, n),
+                pos, state.cache.entries_needed(r, n),
             )
             state.publish(self.layer, "index_k", layer_cache.index_k[:, :n_visible])
             state.publish(self.layer, "compressed_kv", layer_cache.compressed_kv[:, :n_visible])

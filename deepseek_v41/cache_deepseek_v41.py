@@ -134,21 +134,25 @@ class CSA2LayerCache:
         shape = (*pos.shape, self.ratio, kv.shape[-1])
         return self.carry_kv.gather(1, at).view(shape), self.carry_score.gather(1, at).view(shape)
 
-    def push_entry(self, kv, key, entry: torch.Tensor, complete: torch.Tensor, need: int | None) -> None:
-        # kv [b, n, d], key [b, n, D]: token j's written at entry[:, j] in the rows where it completed its group
-        # (complete [b, n] bool); need = max(entry) + 1, known on the host (None: a preallocated cache, which never
-        # grows).  Token by token: an earlier token of the same group writes the entry back unchanged, which a
-        # single scatter with repeated indices could do after the completing token's write
+    def push_entry(self, kv, key, pos: torch.Tensor, need: int | None) -> None:
+        # kv [b, n, d], key [b, n, D]: the pooled entries of the tokens at positions pos [b, n]; entry p // ratio
+        # takes the value of the token that completes its group (p % ratio == ratio - 1) where that token is among
+        # the n, else keeps what it holds.  need = max(entry) + 1, known on the host (None: a preallocated cache,
+        # which never grows).  Every token of a group writes the same value (its completing token's), so the one
+        # scatter with repeated entries is deterministic
         if need is not None and need > self.compressed_kv.shape[1]:  # grow by doubling: amortized O(1) per token
             grow = max(need, 2 * self.compressed_kv.shape[1], 16) - self.compressed_kv.shape[1]
             self.compressed_kv = torch.nn.functional.pad(self.compressed_kv, (0, 0, 0, grow))
             self.index_k = torch.nn.functional.pad(self.index_k, (0, 0, 0, grow))
-        for j in range(entry.shape[1]):
-            for store, new in ((self.compressed_kv, kv), (self.index_k, key)):  # in place, masked: O(1) per token
-                at = entry[:, j].view(-1, 1, 1).expand(-1, 1, store.shape[-1])
-                value = torch.where(complete[:, j].view(-1, 1, 1), new[:, j : j + 1].to(store.dtype),
-                                    store.gather(1, at))
-                store.scatter_(1, at, value)
+        n = pos.shape[1]
+        entry = pos // self.ratio
+        last = torch.arange(n, device=pos.device) + (self.ratio - 1 - pos % self.ratio)  # the completing token
+        done = (last < n).unsqueeze(-1)  # [b, n, 1]
+        source = last.clamp(max=n - 1)
+        for store, new in ((self.compressed_kv, kv), (self.index_k, key)):  # in place, masked: O(n) per step
+            at = entry.unsqueeze(-1).expand(-1, -1, store.shape[-1])
+            completed = new.gather(1, source.unsqueeze(-1).expand(-1, -1, new.shape[-1])).to(store.dtype)
+            store.scatter_(1, at, torch.where(done, completed, store.gather(1, at)))
 
 
 # text_config fields that decide what a cache holds and how it is read

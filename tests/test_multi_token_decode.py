@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import DSPARK_FIXTURE, golden_dir
 from test_cache_rollback import assert_same_state, visible_state
-from test_static_cache import OpRecorder
+from test_static_cache import OpRecorder, Owner, codes
 
-from deepseek_v41.cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
+from deepseek_v41.cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache, StaticCSA2LayerCache
 from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
 from deepseek_v41.parity import logits_metrics
 
@@ -88,6 +88,43 @@ def same_state(cache, columns, label):
 
 def relative(a, b):  # per position: |a - b| / |b| over the vocabulary
     return ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_a_layer_cache_takes_a_block_as_its_tokens_one_by_one(ratio):
+    # window ring, the open group's carry and the compressed entries after blocks of WIDTH tokens written at once
+    # equal those written token by token (rows at different positions; blocks that complete several groups); each
+    # completing token gets its group's projections in position order
+    lengths, width = [7, 4, 1], 7
+    block = [StaticCSA2LayerCache(4, ratio, full=True, spare=SPARE, max_cache_len=40, owner=Owner()) for _ in range(2)]
+    x = codes(lengths, width)
+    for layer in block:
+        layer.fill_window(x, torch.tensor(lengths))
+        if ratio > 1:
+            layer.fill_carry(x, torch.tensor(lengths), lambda rows: (rows.float(), -rows.float()))
+        entries = codes(lengths, width // ratio)
+        layer.fill_compressed(entries, entries[..., :1])
+    at_once, one_by_one = block
+    pos = torch.tensor(lengths)
+    for _ in range(3):
+        positions = pos.unsqueeze(1) + torch.arange(WIDTH)  # [b, n]
+        new = (1000 * torch.arange(3).unsqueeze(1) + positions + 1).float().unsqueeze(-1).expand(-1, -1, 2)
+        at_once.push_window(new, positions)
+        if ratio > 1:
+            kv, score = at_once.push_carry(new, -new, positions)  # [b, n, r, 2]
+            for i, j in zip(*torch.nonzero(positions % ratio == ratio - 1, as_tuple=True)):
+                group = positions[i, j] - ratio + 1 + torch.arange(ratio)
+                assert torch.equal(kv[i, j, :, 0], 1000.0 * i + group + 1) and torch.equal(score[i, j], -kv[i, j])
+        at_once.push_entry(10_000 + new, 10_000 + new[..., :1], positions, None)
+        for j in range(WIDTH):
+            column = slice(j, j + 1)
+            one_by_one.push_window(new[:, column], positions[:, column])
+            if ratio > 1:
+                one_by_one.push_carry(new[:, column], -new[:, column], positions[:, column])
+            one_by_one.push_entry(10_000 + new[:, column], 10_000 + new[:, column, :1], positions[:, column], None)
+        pos = pos + WIDTH
+    for name, tensor in one_by_one.tensors().items():
+        assert torch.equal(at_once.tensors()[name], tensor), name
 
 
 @torch.no_grad()

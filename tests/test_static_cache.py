@@ -76,9 +76,7 @@ def test_compressed_entries_and_carry_at_group_boundaries(spare):
             start = p // ratio * ratio
             for j in range(p - start + 1):  # the group's positions seen so far
                 assert torch.equal(kv[i, j], code_of(i, start + j)) and torch.equal(score[i, j], -code_of(i, start + j))
-        entry = pos // ratio
-        layer.push_entry(10_000 + new[:, None], 10_000 + new[:, None, :1], entry[:, None], (pos[:, None] + 1) % ratio == 0,
-                         None)
+        layer.push_entry(10_000 + new[:, None], 10_000 + new[:, None, :1], pos[:, None], None)
         pos = pos + 1
         for i, n in enumerate(pos.tolist()):  # every entry a row sees: its prefill's, then the decoded groups'
             for j in range(n // ratio):
