@@ -157,7 +157,8 @@ def main():
     model = build_model(device, args)
     text = model.config.text_config
     B = text.dspark_block_size
-    title = (f"{text.num_hidden_layers}-layer proxy + {len(model.mtp)} DSpark stages (blocks of {B}, "
+    what = "proxy" if device.type == "cuda" else f"{args.cpu_size} CPU config (hidden {text.hidden_size})"
+    title = (f"{text.num_hidden_layers}-layer {what} + {len(model.mtp)} DSpark stages (blocks of {B}, "
              f"{text.dspark_n_routed_experts} experts top-{text.dspark_num_experts_per_tok}), {model.embed.weight.dtype}, "
              f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, step mode {args.mode}")
     header = ("context  step ms  verify ms  verify_columns ms  draft ms  rollback ms  verify/step  verify_columns/step  "
