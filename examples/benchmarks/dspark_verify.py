@@ -20,7 +20,8 @@ step, kernels per call (CPU: top-level aten ops) and GPU-busy share (torch.profi
 acceptance (``--accepted``, 5.4 tokens per step): accepted / (draft + verify) against 1 / step.
 
 CPU (``--device cpu``): ``decode.py``'s tiny config (``--cpu-size mid``: the same structure at mid widths) plus three
-stages, fp32, the growing cache ``generate(use_dspark=True)`` uses there, eager (no graphs).
+stages, fp32, the growing cache ``generate(use_dspark=True)`` uses there, eager (no graphs), one thread, timed as
+that thread's CPU time (a shared host's waits do not count).
 
     python examples/benchmarks/dspark_verify.py [--contexts 4096 32768] [--out examples/benchmarks/results/dspark_verify_h200.txt]
     python examples/benchmarks/dspark_verify.py --torch-attention     # a GPU without TileLang's kernels
@@ -29,6 +30,7 @@ stages, fp32, the growing cache ``generate(use_dspark=True)`` uses there, eager 
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -112,7 +114,8 @@ def measure(model, ids, block, args, device) -> str:
     for call in calls.values():  # warm-up (a graph mode captures its graph here)
         call()
         call()
-    ms = {name: 1e3 * time_steps(call, args.reps, device) for name, call in calls.items()}
+    timer = time_steps if device.type == "cuda" else cpu_seconds
+    ms = {name: 1e3 * timer(call, args.reps, device) for name, call in calls.items()}
     k_step, busy_step = profile_steps(calls["step"], 3, device)
     k_verify, busy_verify = profile_steps(calls["verify"], 3, device)
     k_columns, _ = profile_steps(calls["verify_columns"], 3, device)
@@ -124,6 +127,15 @@ def measure(model, ids, block, args, device) -> str:
             f"{ms['draft']:9.2f} {ms['rollback']:12.3f} {ms['verify'] / ms['step']:12.2f} "
             f"{ms['verify_columns'] / ms['step']:20.2f} {k_step:8.0f}/{k_verify:.0f}/{k_columns:<8.0f} "
             f"{100 * busy_step:10.1f}/{100 * busy_verify:<9.1f} {plain:12.1f} {spec:14.1f}")
+
+
+def cpu_seconds(call, n: int, device) -> float:
+    """Mean CPU time of the calling thread per call (CPU runs use one thread): unlike wall time it does not count
+    the waits of a host shared with other processes."""
+    start = time.thread_time()
+    for _ in range(n):
+        call()
+    return (time.thread_time() - start) / n
 
 
 def op_table(calls, path, title, device, reps=3, rows=12):
@@ -154,6 +166,8 @@ def main():
                         "the same structure at mid widths (hidden 512, head_dim 128, window 128)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # timed as the thread's CPU time (cpu_seconds)
     model = build_model(device, args)
     text = model.config.text_config
     B = text.dspark_block_size
