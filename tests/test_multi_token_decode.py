@@ -199,6 +199,14 @@ def test_dspark_input_and_speculative_verification_in_one_step(dspark_model, mon
     assert multi.dspark_hidden.shape == single.dspark_hidden.shape
     assert relative(multi.dspark_hidden, single.dspark_hidden) <= 1e-6  # as the logits' gate above
     assert relative(multi.logits, single.logits) <= 1e-6
+    # what a CUDA graph captures (decode_graph.py: _decode_outputs, the head inside) = the forward's outputs
+    static = DeepseekV41StaticCache(dspark_model.config, 32, rollback_tokens=B)
+    dspark_model(ids[:, :19], cache=static)
+    graph_body = copy.deepcopy(static)
+    out = dspark_model(ids[:, 19 : 20 + B], cache=static, output_dspark_hidden=True)
+    hidden, logits, dspark_hidden = dspark_model._decode_outputs(ids[:, 19 : 20 + B], graph_body, True)
+    assert torch.equal(logits, out.logits) and torch.equal(dspark_hidden, out.dspark_hidden)
+    assert torch.equal(graph_body.lengths, static.lengths)
     # generate(use_dspark=True): each verification is one step of B + 1 tokens, and greedy is still plain greedy
     widths, body = [], type(dspark_model)._decode_body
 
