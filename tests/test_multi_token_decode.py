@@ -206,7 +206,7 @@ def test_dspark_input_and_speculative_verification_in_one_step(dspark_model, mon
     out = dspark_model(ids[:, 19 : 20 + B], cache=static, output_dspark_hidden=True)
     hidden, logits, dspark_hidden = dspark_model._decode_outputs(ids[:, 19 : 20 + B], graph_body, True)
     assert torch.equal(logits, out.logits) and torch.equal(dspark_hidden, out.dspark_hidden)
-    assert torch.equal(graph_body.lengths, static.lengths)
+    assert torch.equal(hidden, out.last_hidden_state) and torch.equal(graph_body.lengths, static.lengths)
     # generate(use_dspark=True): each verification is one step of B + 1 tokens, and greedy is still plain greedy
     widths, body = [], type(dspark_model)._decode_body
 
