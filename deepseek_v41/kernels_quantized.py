@@ -163,13 +163,14 @@ if triton is not None:
                             row_start_ptr, M, N, K, n_groups, stride_bg, stride_bn, stride_bsg, stride_bsn, limit,
                             B_FP4: tl.constexpr, BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr,
                             GROUPED: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, SUB: tl.constexpr, GROUP_M: tl.constexpr):
+                            BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C = sum over 32-wide K blocks kb of (A_kb @ B_kb^T) * a_s[kb, m] * b_s[n // BS_ROWS, kb], in fp32.
 
         a fp8 [M, K], as fp32 [ceil(K/32), M]; b fp8 [N, K] (or FP4 bytes [G, N, K/2]) with scales bs
         [ceil(N/BS_ROWS), ceil(K/32)] (or [G, N, ceil(K/32)]), E8M0 bytes or fp32.  SWIGLU: b2/bs2 are the up
         projection, C = bf16(silu(min(gate, limit)) * clamp(up, ±limit) * w[m]) with gate/up rounded to bf16
-        first (limit <= 0: no clamps)."""
+        first (limit <= 0: no clamps).  SPLIT_K > 1: program axis 1 takes one slice of the K blocks and writes
+        its fp32 partial sum to c[slice] ([SPLIT_K, M, N], summed by the caller: deterministic, no atomics)."""
         g, m0, m_end, n0 = _tile(tl.program_id(0), M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED,
                                  BLOCK_M, BLOCK_N, GROUP_M)
         if m0 < m_end:
@@ -186,14 +187,18 @@ if triton is not None:
                 b2_base = b2_ptr + g.to(tl.int64) * stride_bg
                 bs2_base = bs2_ptr + g.to(tl.int64) * stride_bsg
                 acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            n_blocks = tl.cdiv(K, 32)
-            # SUB 32-blocks per iteration (fewer, larger pipelined steps); blocks past K load zeros
-            for kb0 in range(0, n_blocks, SUB):
+            n_blocks = (K + 31) // 32
+            # this program's K blocks: all of them, or one of SPLIT_K slices of whole SUB-block steps
+            per_split = tl.cdiv(tl.cdiv(n_blocks, SPLIT_K), SUB) * SUB
+            kb_start = tl.program_id(1) * per_split
+            kb_end = tl.minimum(kb_start + per_split, n_blocks)
+            # SUB 32-blocks per iteration (fewer, larger pipelined steps); blocks past the end load zeros
+            for kb0 in range(kb_start, kb_end, SUB):
                 for j in tl.static_range(SUB):
                     kb = kb0 + j
                     a = tl.load(a_rows + kb * 32 + k32[None, :],
-                                mask=m_live[:, None] & (kb * 32 + k32[None, :] < K), other=0.0)
-                    sa = tl.load(as_ptr + kb.to(tl.int64) * M + offs_m, mask=m_live & (kb < n_blocks), other=0.0)
+                                mask=m_live[:, None] & (kb < kb_end) & (kb * 32 + k32[None, :] < K), other=0.0)
+                    sa = tl.load(as_ptr + kb.to(tl.int64) * M + offs_m, mask=m_live & (kb < kb_end), other=0.0)
                     b, sb = _b_block(b_base, bs_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
                                      BS_E8M0, BS_ROWS)
                     acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
@@ -209,26 +214,33 @@ if triton is not None:
                     gate = tl.minimum(gate, limit)
                 w = tl.load(w_ptr + offs_m, mask=m_live, other=0.0)
                 acc = gate / (1.0 + tl.exp(-gate)) * up * w[:, None]
-            tl.store(c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(tl.bfloat16),
+            c_ptr += tl.program_id(1).to(tl.int64) * M * N
+            tl.store(c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                      mask=m_live[:, None] & n_live[None, :])
 
 
-# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages) by workload; examples/benchmarks/quantized_gemm.py --sweep tunes them
-_DENSE_CONFIGS = {"decode": (64, 64, 4, 4, 4), "prefill": (128, 128, 4, 8, 3)}
-_GROUPED_CONFIGS = {"decode": (64, 64, 4, 4, 4), "prefill": (128, 128, 4, 8, 3)}
-_SWIGLU_CONFIGS = {"decode": (64, 32, 4, 4, 4), "prefill": (128, 64, 4, 8, 3)}
+# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K) per workload ("decode": <= 64 rows per weight, SPLIT_K 0 =
+# as many K slices as fill the GPU); examples/benchmarks/quantized_gemm.py --sweep times alternatives
+CONFIGS = {
+    "dense_decode": (64, 64, 4, 4, 4, 0),
+    "dense_prefill": (128, 128, 4, 8, 3, 1),
+    "grouped_decode": (64, 64, 4, 4, 4, 1),
+    "grouped_prefill": (128, 128, 4, 8, 3, 1),
+    "swiglu_decode": (64, 32, 4, 4, 4, 1),
+    "swiglu_prefill": (128, 64, 4, 8, 3, 1),
+}
 
 
-def _pick(table: dict, rows: int, config):
-    return config if config is not None else table["decode" if rows <= 64 else "prefill"]
+def _config(kind: str, rows: int, config):
+    return config if config is not None else CONFIGS[f"{kind}_{'decode' if rows <= 64 else 'prefill'}"]
 
 
 def _check_usable(x: torch.Tensor, what: str) -> None:
     if not quantized_gemm_usable(x):
         raise RuntimeError(
             f"{what} runs Triton FP8 kernels on a CUDA GPU with FP8 tensor cores (compute capability 8.9+); got a "
-            f"tensor on {x.device}: use the tile-by-tile dequantizing fallback there (quantized_gemm_usable(x) "
-            "says which to take)"
+            f"tensor on {x.device}: decode one weight tile at a time there instead (quantized_gemm_usable(x) says "
+            "which path to take)"
         )
 
 
@@ -265,36 +277,43 @@ def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales.t()
 
 
-def _launch(a, a_scale_t, b, b_scale, out, *, n, k, b_fp4, bs_e8m0, bs_rows, config, stride_bg=0,
-            stride_bsg=0, stride_bn, stride_bsn, grouped=None, swiglu=None):
-    block_m, block_n, sub, warps, stages = config
+def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_rows, config, strides, counts=None,
+            swiglu=None):
+    """One ``_scaled_gemm_kernel`` launch: a fp8 [m, k] (scales [ceil(k/32), m]) x weight tiles -> [m, n]."""
+    block_m, block_n, sub, warps, stages, split = config
     m = a.shape[0]
-    b2, bs2, w, limit = swiglu if swiglu is not None else (b, b_scale, out, 0.0)
-    if grouped is None:
-        tile_start = row_start = out
+    stride_bg, stride_bn, stride_bsg, stride_bsn = strides
+    if counts is None:
         n_groups, tiles_m = 1, triton.cdiv(m, block_m)
+        tile_start = row_start = b_scale  # unused
     else:
-        counts = grouped
         n_groups = counts.numel()
         row_start = torch.zeros(n_groups + 1, dtype=torch.int32, device=a.device)
         torch.cumsum(counts, 0, out=row_start[1:])
         tile_start = torch.zeros_like(row_start)
         torch.cumsum(torch.div(counts + (block_m - 1), block_m, rounding_mode="floor"), 0, out=tile_start[1:])
-        tiles_m = triton.cdiv(m, block_m) + n_groups  # an upper bound: no host sync for the exact count
-    grid = (tiles_m * triton.cdiv(n, block_n),)
-    _scaled_gemm_kernel[grid](
+        tiles_m = triton.cdiv(m, block_m) + n_groups  # an upper bound on the row tiles: no host sync for the count
+    tiles = tiles_m * triton.cdiv(n, block_n)
+    if split == 0:  # enough K slices for about two programs per SM, each at least 4 steps long
+        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        split = max(1, min(2 * sms // tiles, triton.cdiv(k, 32 * sub * 4)))
+    if split > 1 and (swiglu is not None or counts is not None):
+        raise ValueError("SPLIT_K > 1 serves the dense GEMM only")
+    out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
+    b2, bs2, w, limit = swiglu if swiglu is not None else (b, b_scale, out, 0.0)
+    _scaled_gemm_kernel[(tiles, split)](
         a, a_scale_t, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg, stride_bn,
         stride_bsg, stride_bsn, float(limit), B_FP4=b_fp4, BS_E8M0=bs_e8m0, BS_ROWS=bs_rows,
-        GROUPED=grouped is not None, SWIGLU=swiglu is not None, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
-        GROUP_M=8, num_warps=warps, num_stages=stages,
+        GROUPED=counts is not None, SWIGLU=swiglu is not None, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
+        SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=stages,
     )
-    return out
+    return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, config=None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out_dtype=torch.bfloat16,
+               config=None) -> torch.Tensor:
     """x [..., K] (bf16) @ FP8 weight [N, K] (32x32 block scales [ceil(N/32), ceil(K/32)], UE8M0 or F32)^T ->
-    bf16 [..., N], with x quantized to FP8 as the official inference does (``act_quant_fp8``)."""
-    _check_usable(x, "fp8_linear")
+    [..., N] in ``out_dtype`` (bf16; fp32 for tests), with x quantized to FP8 as the official inference does."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise TypeError(f"fp8_linear takes a float8_e4m3fn [N, K] weight, got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
@@ -304,13 +323,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, co
     if tuple(scale.shape) != expected:
         raise ValueError(f"fp8_linear: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
                          f"with 32x32 blocks: expected {expected}")
+    b_scale, e8m0 = _scale_arg(scale, "fp8_linear scale")
+    _check_usable(x, "fp8_linear")
     rows = x.reshape(-1, k)
-    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16, device=x.device)
-    if rows.shape[0]:
-        a, a_scale = _act_quant_t(rows)
-        b_scale, e8m0 = _scale_arg(scale, "fp8_linear scale")
-        _launch(a, a_scale, weight.contiguous(), b_scale, out, n=n, k=k, b_fp4=False, bs_e8m0=e8m0, bs_rows=GROUP,
-                config=_pick(_DENSE_CONFIGS, rows.shape[0], config), stride_bn=k, stride_bsn=b_scale.shape[1])
+    if not rows.shape[0]:
+        return x.new_empty(*x.shape[:-1], n, dtype=out_dtype)
+    a, a_scale = _act_quant_t(rows)
+    out = _launch(a, a_scale, weight.contiguous(), b_scale, out_dtype, n=n, k=k, b_fp4=False, bs_e8m0=e8m0,
+                  bs_rows=GROUP, config=_config("dense", rows.shape[0], config), strides=(0, k, 0, b_scale.shape[1]))
     return out.view(*x.shape[:-1], n)
 
 
@@ -329,36 +349,39 @@ def _check_fp4(codes: torch.Tensor, scales: torch.Tensor, k: int, name: str) -> 
     return codes.contiguous().view(torch.uint8), s, e8m0
 
 
-def _check_counts(counts: torch.Tensor, groups: int, rows: int) -> torch.Tensor:
+def _fp4_strides(codes: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int, int]:
+    return codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1)
+
+
+def _check_counts(counts: torch.Tensor, groups: int) -> torch.Tensor:
     if counts.dim() != 1 or counts.numel() != groups:
         raise ValueError(f"counts must be [{groups}] (rows per expert), got shape {tuple(counts.shape)}")
     if groups > 1024:
         raise ValueError(f"{groups} experts on one GPU: the grouped kernel's tile search covers at most 1024")
-    return counts.to(device=counts.device, dtype=torch.int32)
+    return counts.to(torch.int32)
 
 
 def fp4_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                     counts: torch.Tensor, *, config=None) -> torch.Tensor:
+                     counts: torch.Tensor, *, out_dtype=torch.bfloat16, config=None) -> torch.Tensor:
     """FP8 rows a [m, K] with scales [m, ceil(K/32)] (``act_quant_fp8``), sorted by group with ``counts`` [G] rows
-    each, times packed FP4 weights codes [G, N, K/2] with scales [G, N, ceil(K/32)] -> bf16 [m, N]."""
-    _check_usable(a, "fp4_grouped_gemm")
+    each (the rows past sum(counts) are left unwritten), times packed FP4 weights codes [G, N, K/2] with scales
+    [G, N, ceil(K/32)] -> [m, N] in ``out_dtype``."""
     m, k = a.shape
     codes, s, e8m0 = _check_fp4(codes, scales, k, "fp4_grouped_gemm")
-    counts = _check_counts(counts, codes.shape[0], m)
+    counts = _check_counts(counts, codes.shape[0])
+    _check_usable(a, "fp4_grouped_gemm")
     n = codes.shape[1]
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-    if m:
-        _launch(a.contiguous(), a_scale.t().contiguous(), codes, s, out, n=n, k=k, b_fp4=True, bs_e8m0=e8m0, bs_rows=1,
-                config=_pick(_GROUPED_CONFIGS, m // max(codes.shape[0], 1), config), stride_bg=codes.stride(0),
-                stride_bsg=s.stride(0), stride_bn=codes.stride(1), stride_bsn=s.stride(1), grouped=counts)
-    return out
+    if not m:
+        return a.new_empty(0, n, dtype=out_dtype)
+    return _launch(a.contiguous(), a_scale.t().contiguous(), codes, s, out_dtype, n=n, k=k, b_fp4=True,
+                   bs_e8m0=e8m0, bs_rows=1, config=_config("grouped", m // max(codes.shape[0], 1), config),
+                   strides=_fp4_strides(codes, s), counts=counts.to(a.device))
 
 
 def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit: float, *,
                         configs=(None, None)) -> torch.Tensor:
     """The routed experts' clamped SwiGLU on the stored FP4 weights (see the module docstring): x bf16 [m, dim]
     sorted by expert, counts [E], routing weights fp32 [m] -> bf16 [m, dim]."""
-    _check_usable(x, "fp4_grouped_experts")
     m, dim = x.shape
     w1c, w1s, e8m0 = _check_fp4(w1, w1_scale, dim, "w1")
     w3c, w3s, e8m0_3 = _check_fp4(w3, w3_scale, dim, "w3")
@@ -366,22 +389,21 @@ def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_s
         raise ValueError(f"w1 {tuple(w1.shape)} and w3 {tuple(w3.shape)} (and their scales) must match")
     n_experts, inter = w1.shape[0], w1.shape[1]
     w2c, w2s, e8m0_2 = _check_fp4(w2, w2_scale, inter, "w2")
-    if w2.shape[:2] != (n_experts, dim):
+    if tuple(w2.shape[:2]) != (n_experts, dim):
         raise ValueError(f"w2 codes {tuple(w2.shape)} must be [{n_experts}, {dim}, {inter // 2}]")
-    counts = _check_counts(counts, n_experts, m)
-    if weights.shape != (m,):
+    counts = _check_counts(counts, n_experts)
+    if tuple(weights.shape) != (m,):
         raise ValueError(f"weights must be [{m}] (one routing weight per row), got {tuple(weights.shape)}")
-    h = torch.empty(m, inter, dtype=torch.bfloat16, device=x.device)
-    out = torch.empty(m, dim, dtype=torch.bfloat16, device=x.device)
+    _check_usable(x, "fp4_grouped_experts")
     if not m:
-        return out
+        return x.new_empty(0, dim, dtype=torch.bfloat16)
+    counts = counts.to(x.device)
     rows_per_expert = m // max(n_experts, 1)
     a, a_scale = _act_quant_t(x)
-    _launch(a, a_scale, w1c, w1s, h, n=inter, k=dim, b_fp4=True, bs_e8m0=e8m0, bs_rows=1,
-            config=_pick(_SWIGLU_CONFIGS, rows_per_expert, configs[0]), stride_bg=w1c.stride(0),
-            stride_bsg=w1s.stride(0), stride_bn=w1c.stride(1), stride_bsn=w1s.stride(1), grouped=counts,
-            swiglu=(w3c, w3s, weights.float().contiguous(), limit))
+    h = _launch(a, a_scale, w1c, w1s, torch.bfloat16, n=inter, k=dim, b_fp4=True, bs_e8m0=e8m0, bs_rows=1,
+                config=_config("swiglu", rows_per_expert, configs[0]), strides=_fp4_strides(w1c, w1s), counts=counts,
+                swiglu=(w3c, w3s, weights.float().contiguous(), limit))
     a, a_scale = _act_quant_t(h)
-    return _launch(a, a_scale, w2c, w2s, out, n=dim, k=inter, b_fp4=True, bs_e8m0=e8m0_2, bs_rows=1,
-                   config=_pick(_GROUPED_CONFIGS, rows_per_expert, configs[1]), stride_bg=w2c.stride(0),
-                   stride_bsg=w2s.stride(0), stride_bn=w2c.stride(1), stride_bsn=w2s.stride(1), grouped=counts)
+    return _launch(a, a_scale, w2c, w2s, torch.bfloat16, n=dim, k=inter, b_fp4=True, bs_e8m0=e8m0_2, bs_rows=1,
+                   config=_config("grouped", rows_per_expert, configs[1]), strides=_fp4_strides(w2c, w2s),
+                   counts=counts)
