@@ -33,6 +33,8 @@ product of its two power-of-two scales (one multiply of two register vectors and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .release_format import ceil_div
@@ -235,6 +237,11 @@ def _config(kind: str, rows: int, config):
     return config if config is not None else CONFIGS[f"{kind}_{'decode' if rows <= 64 else 'prefill'}"]
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _check_usable(x: torch.Tensor, what: str) -> None:
     if not quantized_gemm_usable(x):
         raise RuntimeError(
@@ -295,8 +302,7 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
         tiles_m = triton.cdiv(m, block_m) + n_groups  # an upper bound on the row tiles: no host sync for the count
     tiles = tiles_m * triton.cdiv(n, block_n)
     if split == 0:  # enough K slices for about two programs per SM, each at least 4 steps long
-        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        split = max(1, min(2 * sms // tiles, triton.cdiv(k, 32 * sub * 4)))
+        split = max(1, min(2 * _sm_count(a.device) // tiles, triton.cdiv(k, 32 * sub * 4)))
     if split > 1 and (swiglu is not None or counts is not None):
         raise ValueError("SPLIT_K > 1 serves the dense GEMM only")
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
