@@ -26,9 +26,19 @@ block (architecture.md §4, §6).  These functions do the same on the GPU withou
 ``quantized_gemm_usable(x)`` says whether these kernels can run for ``x`` (CUDA, Triton, FP8 tensor cores: compute
 capability 8.9 or newer).  Elsewhere the callers (``kept.py``) decode one weight tile at a time instead.
 
-How the 32-wide K blocks are honoured: an FP8 tensor-core MMA on Hopper consumes K=32 per instruction, so each
-32-block's partial product comes out of its own ``tl.dot`` and is promoted into the fp32 accumulator with the
-product of its two power-of-two scales (one multiply of two register vectors and one FMA per element).
+How the 32-wide K blocks are honoured (``MMA_BF16`` in a kernel configuration picks one of two ways):
+
+* FP8 MMA: an FP8 tensor-core MMA on Hopper consumes K=32 per instruction, so each 32-block's partial product comes
+  out of its own ``tl.dot`` and is promoted into the fp32 accumulator with the product of its two power-of-two
+  scales.  That promotion is two CUDA-core operations per output element per 32 inputs, twice the tensor core's
+  time for the block: the FP8 MMA cannot run near its peak, at best at about the bf16 MMA's.
+* bf16 MMA (the default): every operand value is a short code times a power of two, exact in bf16 (E4M3 and E2M1
+  have 3 and 1 mantissa bits).  The activations are quantized to FP8 exactly as above and stored as their bf16
+  values; the weight tiles are decoded to bf16 in registers (code times scale, one multiply per weight element per
+  row tile); one bf16 MMA chain accumulates in fp32 over all of K.  The products are the same exact numbers as the
+  FP8 MMA's; only the fp32 summation order differs, and no promotion step stalls the tensor core.
+
+Both read the weights in their stored bytes (half or a quarter of bf16), which is what decode is bound by.
 """
 
 from __future__ import annotations
@@ -75,8 +85,10 @@ def act_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 if triton is not None:
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
-        # x [M, K] -> q fp8 [M, K] and s fp32 [ceil(K/32), M] (scale-major: the GEMMs read a row tile per K block)
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+                          QDQ: tl.constexpr):
+        # x [M, K] -> q fp8 [M, K] and s fp32 [ceil(K/32), M] (scale-major: the GEMMs read a row tile per K block);
+        # QDQ: q is the quantized values themselves in bf16 (code times scale: exact), no s
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * GROUPS * 32 + tl.arange(0, GROUPS * 32)
         live = (rows[:, None] < M) & (cols[None, :] < K)
@@ -88,11 +100,14 @@ if triton is not None:
         scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
         inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
         q = tl.clamp(x * inverse[:, :, None], -448.0, 448.0).to(tl.float8e4nv)
+        if QDQ:
+            q = (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], tl.reshape(q, (BLOCK_M, GROUPS * 32)),
                  mask=live)
-        groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-        tl.store(s_ptr + groups[None, :].to(tl.int64) * M + rows[:, None], scale,
-                 mask=(rows[:, None] < M) & (groups[None, :] * 32 < K))
+        if not QDQ:
+            groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+            tl.store(s_ptr + groups[None, :].to(tl.int64) * M + rows[:, None], scale,
+                     mask=(rows[:, None] < M) & (groups[None, :] * 32 < K))
 
     @triton.jit
     def _e8m0_to_f32(e):
@@ -109,22 +124,38 @@ if triton is not None:
         return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
+    def _e2m1_to_f32(nib):
+        # 4-bit E2M1 code -> fp32: from 1.0 on, the code's exponent and mantissa bits shifted into place on top of
+        # 2^-1 (bits 126 << 23); 0.5 and 0 are special
+        mag = nib & 7
+        bits = tl.where(mag >= 2, (126 << 23) + (mag << 22), tl.where(mag == 1, 126 << 23, 0))
+        return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _b_block(b_ptr, bs_ptr, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4: tl.constexpr,
-                 BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr):
-        # one 32-wide K block of the weight tile: fp8 operand [BN, 32] and its scale per output column [BN]
+                 BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr, MMA_BF16: tl.constexpr):
+        # one 32-wide K block of the weight tile [BN, 32] and its scale per output column [BN]: FP8 codes for the
+        # FP8 MMA (the scale applied to its partial product), or the decoded values times the scale in bf16 (exact:
+        # a code times a power of two) for the bf16 MMA
         k32 = tl.arange(0, 32)
+        s = tl.load(bs_ptr + (offs_n // BS_ROWS) * stride_bsn + kb, mask=n_live & (kb * 32 < K), other=0)
+        if BS_E8M0:
+            s = _e8m0_to_f32(s)
         if B_FP4:
             k16 = tl.arange(0, 16)
             packed = tl.load(b_ptr + offs_n[:, None] * stride_bn + kb * 16 + k16[None, :],
                              mask=n_live[:, None] & (kb * 32 + 2 * k16[None, :] < K), other=0).to(tl.int32)
             # low nibble is element 2i, high nibble element 2i+1
-            b = tl.reshape(tl.join(_e2m1_to_e4m3(packed & 15), _e2m1_to_e4m3(packed >> 4)), (offs_n.shape[0], 32))
+            if MMA_BF16:
+                lo, hi = _e2m1_to_f32(packed & 15), _e2m1_to_f32(packed >> 4)
+            else:
+                lo, hi = _e2m1_to_e4m3(packed & 15), _e2m1_to_e4m3(packed >> 4)
+            b = tl.reshape(tl.join(lo, hi), (offs_n.shape[0], 32))
         else:
             b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kb * 32 + k32[None, :],
                         mask=n_live[:, None] & (kb * 32 + k32[None, :] < K), other=0.0)
-        s = tl.load(bs_ptr + (offs_n // BS_ROWS) * stride_bsn + kb, mask=n_live & (kb * 32 < K), other=0)
-        if BS_E8M0:
-            s = _e8m0_to_f32(s)
+        if MMA_BF16:
+            b = (b.to(tl.float32) * s[:, None]).to(tl.bfloat16)
         return b, s
 
     @triton.jit
@@ -165,14 +196,17 @@ if triton is not None:
                             row_start_ptr, M, N, K, n_groups, stride_bg, stride_bn, stride_bsg, stride_bsn, limit,
                             B_FP4: tl.constexpr, BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr,
                             GROUPED: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
+                            BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr, MMA_BF16: tl.constexpr,
+                            GROUP_M: tl.constexpr):
         """C = sum over 32-wide K blocks kb of (A_kb @ B_kb^T) * a_s[kb, m] * b_s[n // BS_ROWS, kb], in fp32.
 
         a fp8 [M, K], as fp32 [ceil(K/32), M]; b fp8 [N, K] (or FP4 bytes [G, N, K/2]) with scales bs
         [ceil(N/BS_ROWS), ceil(K/32)] (or [G, N, ceil(K/32)]), E8M0 bytes or fp32.  SWIGLU: b2/bs2 are the up
         projection, C = bf16(silu(min(gate, limit)) * clamp(up, ±limit) * w[m]) with gate/up rounded to bf16
         first (limit <= 0: no clamps).  SPLIT_K > 1: program axis 1 takes one slice of the K blocks and writes
-        its fp32 partial sum to c[slice] ([SPLIT_K, M, N], summed by the caller: deterministic, no atomics)."""
+        its fp32 partial sum to c[slice] ([SPLIT_K, M, N], summed by the caller: deterministic, no atomics).
+        MMA_BF16: a holds the quantized activations' values in bf16 (no ``as``), the weight tiles are decoded to
+        bf16 in registers and one bf16 MMA chain accumulates over all of K (the same products, exact in both)."""
         g, m0, m_end, n0 = _tile(tl.program_id(0), M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED,
                                  BLOCK_M, BLOCK_N, GROUP_M)
         if m0 < m_end:
@@ -200,14 +234,20 @@ if triton is not None:
                     kb = kb0 + j
                     a = tl.load(a_rows + kb * 32 + k32[None, :],
                                 mask=m_live[:, None] & (kb < kb_end) & (kb * 32 + k32[None, :] < K), other=0.0)
-                    sa = tl.load(as_ptr + kb.to(tl.int64) * M + offs_m, mask=m_live & (kb < kb_end), other=0.0)
                     b, sb = _b_block(b_base, bs_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
-                                     BS_E8M0, BS_ROWS)
-                    acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+                                     BS_E8M0, BS_ROWS, MMA_BF16)
+                    if MMA_BF16:
+                        acc = tl.dot(a, tl.trans(b), acc)
+                    else:
+                        sa = tl.load(as_ptr + kb.to(tl.int64) * M + offs_m, mask=m_live & (kb < kb_end), other=0.0)
+                        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
                     if SWIGLU:
                         b2, sb2 = _b_block(b2_base, bs2_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
-                                           BS_E8M0, BS_ROWS)
-                        acc2 += tl.dot(a, tl.trans(b2)) * (sa[:, None] * sb2[None, :])
+                                           BS_E8M0, BS_ROWS, MMA_BF16)
+                        if MMA_BF16:
+                            acc2 = tl.dot(a, tl.trans(b2), acc2)
+                        else:
+                            acc2 += tl.dot(a, tl.trans(b2)) * (sa[:, None] * sb2[None, :])
             if SWIGLU:
                 gate = acc.to(tl.bfloat16).to(tl.float32)
                 up = acc2.to(tl.bfloat16).to(tl.float32)
@@ -221,15 +261,19 @@ if triton is not None:
                      mask=m_live[:, None] & n_live[None, :])
 
 
-# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K) per workload ("decode": <= 64 rows per weight, SPLIT_K 0 =
-# as many K slices as fill the GPU); examples/benchmarks/quantized_gemm.py --sweep times alternatives
+# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA_BF16) per workload ("decode": <= 64 rows per
+# weight; SPLIT_K 0 = as many K slices as fill the GPU).  MMA_BF16 1: the bf16 MMA on decoded tiles, 0: the FP8 MMA
+# with a promotion per 32-block.  Chosen without timings (no GPU time was left): from ptxas' register counts for
+# sm_90 (the bf16 path's 128x128 tiles take ~125 registers, two CTAs per SM; the FP8 path's 225-255, and spills at
+# SUB > 2) and the instruction count per 32-block (module docstring).  examples/benchmarks/quantized_gemm.py --sweep
+# times the alternatives.
 CONFIGS = {
-    "dense_decode": (64, 64, 4, 4, 4, 0),
-    "dense_prefill": (128, 128, 4, 8, 3, 1),
-    "grouped_decode": (64, 64, 4, 4, 4, 1),
-    "grouped_prefill": (128, 128, 4, 8, 3, 1),
-    "swiglu_decode": (64, 32, 4, 4, 4, 1),
-    "swiglu_prefill": (128, 64, 4, 8, 3, 1),
+    "dense_decode": (64, 64, 2, 4, 6, 0, 1),
+    "dense_prefill": (128, 128, 2, 8, 4, 1, 1),
+    "grouped_decode": (64, 64, 2, 4, 6, 1, 1),
+    "grouped_prefill": (128, 128, 2, 8, 4, 1, 1),
+    "swiglu_decode": (64, 32, 2, 4, 6, 1, 1),
+    "swiglu_prefill": (128, 64, 2, 8, 4, 1, 1),
 }
 
 
@@ -260,16 +304,18 @@ def _scale_arg(scale: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
     raise TypeError(f"{name} must be float8_e8m0fnu (UE8M0) or float32, got {scale.dtype}")
 
 
-def _act_quant_t(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # x [M, K] -> (codes fp8 [M, K], scales fp32 [ceil(K/32), M]), the GEMMs' layout
+def _act_quant_t(x: torch.Tensor, qdq: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # x [M, K] -> (codes fp8 [M, K], scales fp32 [ceil(K/32), M]), the FP8 MMA's layout; qdq: (the quantized values
+    # in bf16 [M, K], the same tensor as an unused placeholder), what the bf16 MMA reads
     x = x.contiguous()
     m, k = x.shape
-    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(ceil_div(k, GROUP), m, dtype=torch.float32, device=x.device)
+    codes = torch.empty(m, k, dtype=torch.bfloat16 if qdq else torch.float8_e4m3fn, device=x.device)
+    scales = codes if qdq else torch.empty(ceil_div(k, GROUP), m, dtype=torch.float32, device=x.device)
     if m and k:
         block_m, groups = 32, 4
         grid = (triton.cdiv(m, block_m), triton.cdiv(k, groups * GROUP))
-        _act_quant_kernel[grid](x, codes, scales, m, k, x.stride(0), BLOCK_M=block_m, GROUPS=groups, num_warps=4)
+        _act_quant_kernel[grid](x, codes, scales, m, k, x.stride(0), BLOCK_M=block_m, GROUPS=groups, QDQ=qdq,
+                                num_warps=4)
     return codes, scales
 
 
@@ -286,8 +332,9 @@ def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_rows, config, strides, counts=None,
             swiglu=None):
-    """One ``_scaled_gemm_kernel`` launch: a fp8 [m, k] (scales [ceil(k/32), m]) x weight tiles -> [m, n]."""
-    block_m, block_n, sub, warps, stages, split = config
+    """One ``_scaled_gemm_kernel`` launch: activations from ``_act_quant_t(x, qdq=config's MMA_BF16)`` x weight
+    tiles -> [m, n]."""
+    block_m, block_n, sub, warps, stages, split, mma_bf16 = config
     m = a.shape[0]
     stride_bg, stride_bn, stride_bsg, stride_bsn = strides
     if counts is None:
@@ -311,7 +358,7 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
         a, a_scale_t, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg, stride_bn,
         stride_bsg, stride_bsn, float(limit), B_FP4=b_fp4, BS_E8M0=bs_e8m0, BS_ROWS=bs_rows,
         GROUPED=counts is not None, SWIGLU=swiglu is not None, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
-        SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=stages,
+        SPLIT_K=split, MMA_BF16=bool(mma_bf16), GROUP_M=8, num_warps=warps, num_stages=stages,
     )
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
@@ -334,9 +381,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
     rows = x.reshape(-1, k)
     if not rows.shape[0]:
         return x.new_empty(*x.shape[:-1], n, dtype=out_dtype)
-    a, a_scale = _act_quant_t(rows)
+    config = _config("dense", rows.shape[0], config)
+    a, a_scale = _act_quant_t(rows, qdq=bool(config[6]))
     out = _launch(a, a_scale, weight.contiguous(), b_scale, out_dtype, n=n, k=k, b_fp4=False, bs_e8m0=e8m0,
-                  bs_rows=GROUP, config=_config("dense", rows.shape[0], config), strides=(0, k, 0, b_scale.shape[1]))
+                  bs_rows=GROUP, config=config, strides=(0, k, 0, b_scale.shape[1]))
     return out.view(*x.shape[:-1], n)
 
 
@@ -379,9 +427,11 @@ def fp4_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor
     n = codes.shape[1]
     if not m:
         return a.new_empty(0, n, dtype=out_dtype)
+    config = _config("grouped", m // max(codes.shape[0], 1), config)
+    if config[6]:  # the bf16 MMA reads the activations' values
+        a = (a.float() * a_scale.repeat_interleave(GROUP, 1)[:, :k]).bfloat16()
     return _launch(a.contiguous(), a_scale.t().contiguous(), codes, s, out_dtype, n=n, k=k, b_fp4=True,
-                   bs_e8m0=e8m0, bs_rows=1, config=_config("grouped", m // max(codes.shape[0], 1), config),
-                   strides=_fp4_strides(codes, s), counts=counts.to(a.device))
+                   bs_e8m0=e8m0, bs_rows=1, config=config, strides=_fp4_strides(codes, s), counts=counts.to(a.device))
 
 
 def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit: float, *,
@@ -405,11 +455,12 @@ def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_s
         return x.new_empty(0, dim, dtype=torch.bfloat16)
     counts = counts.to(x.device)
     rows_per_expert = m // max(n_experts, 1)
-    a, a_scale = _act_quant_t(x)
+    up_config = _config("swiglu", rows_per_expert, configs[0])
+    down_config = _config("grouped", rows_per_expert, configs[1])
+    a, a_scale = _act_quant_t(x, qdq=bool(up_config[6]))
     h = _launch(a, a_scale, w1c, w1s, torch.bfloat16, n=inter, k=dim, b_fp4=True, bs_e8m0=e8m0, bs_rows=1,
-                config=_config("swiglu", rows_per_expert, configs[0]), strides=_fp4_strides(w1c, w1s), counts=counts,
+                config=up_config, strides=_fp4_strides(w1c, w1s), counts=counts,
                 swiglu=(w3c, w3s, weights.float().contiguous(), limit))
-    a, a_scale = _act_quant_t(h)
+    a, a_scale = _act_quant_t(h, qdq=bool(down_config[6]))
     return _launch(a, a_scale, w2c, w2s, torch.bfloat16, n=dim, k=inter, b_fp4=True, bs_e8m0=e8m0_2, bs_rows=1,
-                   config=_config("grouped", rows_per_expert, configs[1]), strides=_fp4_strides(w2c, w2s),
-                   counts=counts)
+                   config=down_config, strides=_fp4_strides(w2c, w2s), counts=counts)

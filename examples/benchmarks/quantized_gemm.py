@@ -51,13 +51,15 @@ DENSE = [
     ("shared.w1/w3", 2304, 5120),
     ("shared.w2", 5120, 2304),
 ]
-SWEEP = {
-    "dense_prefill": [(128, 128, 4, 8, 3, 1), (128, 128, 2, 8, 4, 1), (128, 256, 4, 8, 3, 1), (128, 128, 4, 4, 4, 1),
-                      (64, 128, 4, 4, 4, 1), (128, 64, 4, 4, 4, 1)],
-    "dense_decode": [(64, 64, 4, 4, 4, 0), (64, 32, 4, 4, 4, 0), (64, 64, 2, 4, 6, 0), (64, 128, 4, 4, 4, 0),
-                     (64, 64, 4, 4, 4, 1)],
-    "swiglu_prefill": [(128, 64, 4, 8, 3, 1), (128, 64, 2, 8, 4, 1), (64, 64, 4, 4, 4, 1), (64, 64, 2, 4, 6, 1)],
-    "grouped_prefill": [(128, 128, 4, 8, 3, 1), (128, 128, 2, 8, 4, 1), (128, 256, 4, 8, 3, 1), (64, 128, 4, 4, 4, 1)],
+SWEEP = {  # (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K, MMA_BF16)
+    "dense_prefill": [(128, 128, 2, 8, 4, 1, 1), (128, 256, 1, 8, 4, 1, 1), (256, 128, 1, 8, 4, 1, 1),
+                      (128, 128, 4, 8, 3, 1, 1), (128, 128, 1, 8, 6, 1, 0), (128, 128, 2, 8, 4, 1, 0)],
+    "dense_decode": [(64, 64, 2, 4, 6, 0, 1), (64, 32, 2, 4, 6, 0, 1), (64, 128, 2, 4, 4, 0, 1),
+                     (64, 64, 2, 4, 6, 1, 1), (64, 64, 2, 4, 6, 0, 0)],
+    "swiglu_prefill": [(128, 64, 2, 8, 4, 1, 1), (128, 64, 4, 8, 3, 1, 1), (128, 128, 1, 8, 4, 1, 1),
+                       (128, 64, 1, 8, 6, 1, 0)],
+    "grouped_prefill": [(128, 128, 2, 8, 4, 1, 1), (128, 128, 4, 8, 3, 1, 1), (256, 128, 1, 8, 4, 1, 1),
+                        (128, 128, 1, 8, 6, 1, 0)],
 }
 
 
@@ -94,13 +96,14 @@ def pick(impls, official):
 def dense_impls(x, wq, ws, wb, official):
     """name -> (callable, weight bytes) for one dense shape."""
     (n, k), m = wq.shape, x.shape[0]
-    a, a_scale = kq.act_quant_fp8(x)
     scale_bytes, e8m0 = kq._scale_arg(ws, "scale")
+    config = kq._config("dense", m, None)
+    a, a_scale = kq._act_quant_t(x, qdq=bool(config[6]))
     impls = {
         "bf16 matmul": (lambda: x @ wb.T, 2 * n * k),
         "fp8_linear": (lambda: kq.fp8_linear(x, wq, ws), n * k),
-        "fp8 GEMM only": (lambda: kq._launch(a, a_scale.t(), wq, scale_bytes, torch.bfloat16, n=n, k=k, b_fp4=False,
-                                             bs_e8m0=e8m0, bs_rows=32, config=kq._config("dense", m, None),
+        "fp8 GEMM only": (lambda: kq._launch(a, a_scale, wq, scale_bytes, torch.bfloat16, n=n, k=k, b_fp4=False,
+                                             bs_e8m0=e8m0, bs_rows=32, config=config,
                                              strides=(0, k, 0, scale_bytes.shape[1])), n * k),
     }
     if official is not None:
@@ -170,14 +173,18 @@ def official_experts(official, x, counts, weights, w1, w3, w2, limit):
 
 def expert_impls(model, packed, x, counts, weights, limit, official):
     """name -> (callable, bytes per weight element) for one routing of the rows."""
-    E, inter = len(counts), packed["w2"][0].shape[2] * 2
+    E, dim, inter = len(counts), packed["w2"][0].shape[1], packed["w2"][0].shape[2] * 2
     c = torch.tensor(counts, device="cuda")
-    a, a_scale = kq.act_quant_fp8(x[:, :inter].contiguous())  # w2's input shape
+    config = kq._config("grouped", x.shape[0] // E, None)
+    a, a_scale = kq._act_quant_t(x[:, :inter], qdq=bool(config[6]))  # w2's input shape
+    u8 = packed["w2"][0].view(torch.uint8), packed["w2"][1].view(torch.uint8)
     impls = {
         "bf16 grouped_mm": (lambda: model.grouped_forward(x, c, weights), 2),
         "fp4_grouped_experts": (lambda: kq.fp4_grouped_experts(x, c, weights, *packed["w1"], *packed["w3"],
                                                                *packed["w2"], limit), 0.5),
-        "fp4 w2 GEMM only x3": (lambda: kq.fp4_grouped_gemm(a, a_scale, *packed["w2"], c), 0.5),
+        "fp4 w2 GEMM only x3": (partial(kq._launch, a, a_scale, *u8, torch.bfloat16, n=dim, k=inter, b_fp4=True,
+                                        bs_e8m0=True, bs_rows=1, config=config, strides=kq._fp4_strides(*u8),
+                                        counts=c.int()), 0.5),
     }
     if official is not None:
         per = {k: [(v[0][e], v[1][e].float()) for e in range(E)] for k, v in packed.items()}
@@ -187,7 +194,7 @@ def expert_impls(model, packed, x, counts, weights, limit, official):
 
 
 def bench_experts(args, official):
-    E, D, I, limit = args.experts, 5120, 2304, 10.0
+    E, D, I, limit = args.experts, args.hidden, args.inter, 10.0
     gen = torch.Generator().manual_seed(0)
     packed = {}
     for name, (n, k) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
@@ -232,13 +239,13 @@ def sweep_fns(kind, S, n, k, c, E):
     """config -> callable for one grouped kernel (random FP4 weights)."""
     pairs = [encode_fp4_packed(torch.randn(n, k, device="cuda") * k**-0.5) for _ in range(E)]
     codes, scales = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-    a, a_scale = kq.act_quant_fp8(torch.randn(S, k, device="cuda").bfloat16())
+    x = torch.randn(S, k, device="cuda").bfloat16()
+    acts = {mma: kq._act_quant_t(x, qdq=bool(mma)) for mma in (0, 1)}
     ones = torch.ones(S, device="cuda")
-    if kind == "grouped_prefill":
-        return {cfg: partial(kq.fp4_grouped_gemm, a, a_scale, codes, scales, c, config=cfg) for cfg in SWEEP[kind]}
     u8 = codes.view(torch.uint8), scales.view(torch.uint8)
-    return {cfg: partial(kq._launch, a, a_scale.t(), *u8, torch.bfloat16, n=n, k=k, b_fp4=True, bs_e8m0=True,
-                         bs_rows=1, config=cfg, strides=kq._fp4_strides(*u8), counts=c.int(), swiglu=(*u8, ones, 10.0))
+    swiglu = (*u8, ones, 10.0) if kind == "swiglu_prefill" else None
+    return {cfg: partial(kq._launch, *acts[cfg[6]], *u8, torch.bfloat16, n=n, k=k, b_fp4=True, bs_e8m0=True,
+                         bs_rows=1, config=cfg, strides=kq._fp4_strides(*u8), counts=c.int(), swiglu=swiglu)
             for cfg in SWEEP[kind]}
 
 
@@ -246,9 +253,11 @@ def sweep(args):
     """Time each candidate configuration of the kernels on representative shapes -> (lines, best per kind)."""
     lines = ["# config sweep: (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K) -> ms"]
     total = {}  # kind -> config -> summed ms over the kind's shapes
-    for (name, n, k), m, kind in [(DENSE[5], 8192, "dense_prefill"), (DENSE[3], 4096, "dense_prefill"),
-                                  (DENSE[1], 4096, "dense_prefill"), (DENSE[0], 1, "dense_decode"),
-                                  (DENSE[3], 64, "dense_decode")]:
+    shapes = {name: (n, k) for name, n, k in DENSE}
+    cases = [(name, max(args.tokens), "dense_prefill") for name in ("shared.w1/w3", "attn.wo_b", "attn.wq_b")]
+    cases += [("attn.wq_a", 1, "dense_decode"), ("attn.wo_b", max(args.decode), "dense_decode")]
+    for name, m, kind in cases:
+        n, k = shapes[name]
         wq, ws = encode_fp8_blockwise(torch.randn(n, k, device="cuda") * k**-0.5)
         x = torch.randn(m, k, device="cuda").bfloat16()
         for config in SWEEP[kind]:
@@ -257,7 +266,7 @@ def sweep(args):
             total[kind][config] += ms
             lines.append(f"{kind} {name} M={m} {config} {ms:.4f} ms {2 * m * n * k / ms / 1e9:.1f} TFLOP/s")
             print(lines[-1], flush=True)
-    E, D, I = args.experts, 5120, 2304
+    E, D, I = args.experts, args.hidden, args.inter
     S = args.expert_tokens[0] * args.topk
     c = torch.tensor(route(S, E, "balanced", None), device="cuda")
     for kind, (n, k), gemms in (("swiglu_prefill", (I, D), 2), ("grouped_prefill", (D, I), 1)):
@@ -281,6 +290,8 @@ def main():
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--expert-tokens", type=ints, default=[8192])
     ap.add_argument("--topk", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--inter", type=int, default=2304)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--official", type=Path, help="folder holding the official TileLang kernel.py")

@@ -67,13 +67,20 @@ def test_act_quant_matches_the_reference_bit_for_bit(m, k):
     assert torch.equal(scales.cpu(), ref_scales)
 
 
+# kernel configurations (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K, MMA_BF16): both MMA paths
+FP8_MMA, BF16_MMA = (128, 128, 2, 8, 3, 1, 0), (128, 128, 2, 8, 3, 1, 1)
+
+
 @pytest.mark.parametrize(
     "m,n,k,config",
     [
         (300, 200, 320, None),  # ragged N (partial weight block), K not a multiple of 128
-        (64, 96, 200, (64, 32, 2, 4, 3, 3)),  # ragged K (partial 32-group), split K
+        (300, 200, 320, FP8_MMA),
+        (64, 96, 200, (64, 32, 2, 4, 3, 3, 1)),  # ragged K (partial 32-group), split K
+        (64, 96, 200, (64, 32, 2, 4, 3, 3, 0)),
         (1, 512, 5120, None),  # decode, released wkv shape, split K by default
         (512, 5120, 8192, None),  # released wo_b shape
+        (512, 5120, 8192, FP8_MMA),
     ],
 )
 def test_fp8_linear_against_fp64_on_the_same_fp8_operands(m, n, k, config):
@@ -109,7 +116,7 @@ def test_fp8_linear_without_rows_and_with_bad_input():
 COUNTS = [0, 37, 128, 0, 5, 200, 1, 0]  # ragged, empty experts included (first and last)
 
 
-@pytest.mark.parametrize("config", [None, (64, 64, 2, 4, 3, 1), (128, 128, 4, 8, 3, 1)])
+@pytest.mark.parametrize("config", [None, (64, 64, 2, 4, 3, 1, 1), FP8_MMA, (64, 64, 1, 4, 3, 1, 0)])
 def test_fp4_grouped_gemm_against_fp64(config):
     gen = torch.Generator(device="cuda").manual_seed(1)
     n, k = 96, 160  # K/32 = 5: not a multiple of 128
@@ -145,14 +152,23 @@ def reference_experts(x, counts, weights, w1, w3, w2, limit):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("counts,dim,inter,limit", [(COUNTS, 256, 160, 1.0), ([150, 0, 300, 77], 5120, 2304, 10.0)])
-def test_fp4_grouped_experts(counts, dim, inter, limit):
+@pytest.mark.parametrize(
+    "counts,dim,inter,limit,configs",
+    [
+        (COUNTS, 256, 160, 1.0, (None, None)),
+        (COUNTS, 256, 160, 1.0, ((128, 64, 1, 8, 3, 1, 0), FP8_MMA)),
+        ([150, 0, 300, 77], 5120, 2304, 10.0, (None, None)),  # released shapes
+    ],
+)
+def test_fp4_grouped_experts(counts, dim, inter, limit, configs):
     gen = torch.Generator(device="cuda").manual_seed(dim)
     E = len(counts)
     w1, w3, w2 = fp4_experts(E, inter, dim, gen), fp4_experts(E, inter, dim, gen), fp4_experts(E, dim, inter, gen)
     x = torch.randn(sum(counts), dim, device="cuda", generator=gen).bfloat16()
     weights = torch.rand(sum(counts), device="cuda", generator=gen)
-    out = kq.fp4_grouped_experts(x, torch.tensor(counts, device="cuda"), weights, *w1, *w3, *w2, limit)
+    out = kq.fp4_grouped_experts(x, torch.tensor(counts, device="cuda"), weights, *w1, *w3, *w2, limit,
+                                 configs=configs)
+
     def per(w):
         return [(w[0][e], w[1][e]) for e in range(E)]
 
