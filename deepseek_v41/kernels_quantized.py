@@ -124,36 +124,44 @@ if triton is not None:
         return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
-    def _e2m1_to_f32(nib):
-        # 4-bit E2M1 code -> fp32: from 1.0 on, the code's exponent and mantissa bits shifted into place on top of
-        # 2^-1 (bits 126 << 23); 0.5 and 0 are special
-        mag = nib & 7
-        bits = tl.where(mag >= 2, (126 << 23) + (mag << 22), tl.where(mag == 1, 126 << 23, 0))
-        return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+    def _e2m1_to_f32_scaled(nib):
+        # 4-bit E2M1 code -> its value times 2^-126 in fp32: the code's 2 exponent and 1 mantissa bits land on the
+        # fp32 exponent/mantissa boundary (bias 127 instead of 1), so code 1 (0.5) becomes the subnormal 2^-127 and
+        # 0 stays 0; one exact multiply by 2^126 restores the value (fp32 multiplies keep subnormals)
+        return (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _b_block(b_ptr, bs_ptr, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4: tl.constexpr,
-                 BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr, MMA_BF16: tl.constexpr):
+                 BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr, MMA_BF16: tl.constexpr, EVEN: tl.constexpr):
         # one 32-wide K block of the weight tile [BN, 32] and its scale per output column [BN]: FP8 codes for the
         # FP8 MMA (the scale applied to its partial product), or the decoded values times the scale in bf16 (exact:
-        # a code times a power of two) for the bf16 MMA
+        # a code times a power of two) for the bf16 MMA.  EVEN: the tile lies inside N and K (no masks)
         k32 = tl.arange(0, 32)
-        s = tl.load(bs_ptr + (offs_n // BS_ROWS) * stride_bsn + kb, mask=n_live & (kb * 32 < K), other=0)
+        s_ptrs = bs_ptr + (offs_n // BS_ROWS) * stride_bsn + kb
+        s = tl.load(s_ptrs) if EVEN else tl.load(s_ptrs, mask=n_live & (kb * 32 < K), other=0)
         if BS_E8M0:
             s = _e8m0_to_f32(s)
         if B_FP4:
             k16 = tl.arange(0, 16)
-            packed = tl.load(b_ptr + offs_n[:, None] * stride_bn + kb * 16 + k16[None, :],
-                             mask=n_live[:, None] & (kb * 32 + 2 * k16[None, :] < K), other=0).to(tl.int32)
+            b_ptrs = b_ptr + offs_n[:, None] * stride_bn + kb * 16 + k16[None, :]
+            if EVEN:
+                packed = tl.load(b_ptrs).to(tl.int32)
+            else:
+                packed = tl.load(b_ptrs, mask=n_live[:, None] & (kb * 32 + 2 * k16[None, :] < K), other=0).to(tl.int32)
             # low nibble is element 2i, high nibble element 2i+1
             if MMA_BF16:
-                lo, hi = _e2m1_to_f32(packed & 15), _e2m1_to_f32(packed >> 4)
+                lo, hi = _e2m1_to_f32_scaled(packed), _e2m1_to_f32_scaled(packed >> 4)
             else:
                 lo, hi = _e2m1_to_e4m3(packed & 15), _e2m1_to_e4m3(packed >> 4)
             b = tl.reshape(tl.join(lo, hi), (offs_n.shape[0], 32))
+            if MMA_BF16:
+                b = b * 8.507059173023462e37  # 2^126
         else:
-            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kb * 32 + k32[None, :],
-                        mask=n_live[:, None] & (kb * 32 + k32[None, :] < K), other=0.0)
+            b_ptrs = b_ptr + offs_n[:, None] * stride_bn + kb * 32 + k32[None, :]
+            if EVEN:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=n_live[:, None] & (kb * 32 + k32[None, :] < K), other=0.0)
         if MMA_BF16:
             b = (b.to(tl.float32) * s[:, None]).to(tl.bfloat16)
         return b, s
@@ -197,7 +205,7 @@ if triton is not None:
                             B_FP4: tl.constexpr, BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr,
                             GROUPED: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr, MMA_BF16: tl.constexpr,
-                            GROUP_M: tl.constexpr):
+                            EVEN: tl.constexpr, GROUP_M: tl.constexpr):
         """C = sum over 32-wide K blocks kb of (A_kb @ B_kb^T) * a_s[kb, m] * b_s[n // BS_ROWS, kb], in fp32.
 
         a fp8 [M, K], as fp32 [ceil(K/32), M]; b fp8 [N, K] (or FP4 bytes [G, N, K/2]) with scales bs
@@ -206,7 +214,8 @@ if triton is not None:
         first (limit <= 0: no clamps).  SPLIT_K > 1: program axis 1 takes one slice of the K blocks and writes
         its fp32 partial sum to c[slice] ([SPLIT_K, M, N], summed by the caller: deterministic, no atomics).
         MMA_BF16: a holds the quantized activations' values in bf16 (no ``as``), the weight tiles are decoded to
-        bf16 in registers and one bf16 MMA chain accumulates over all of K (the same products, exact in both)."""
+        bf16 in registers and one bf16 MMA chain accumulates over all of K (the same products, exact in both).
+        EVEN: K is a multiple of 32 * SUB and N of BLOCK_N, so only the rows need masks."""
         g, m0, m_end, n0 = _tile(tl.program_id(0), M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED,
                                  BLOCK_M, BLOCK_N, GROUP_M)
         if m0 < m_end:
@@ -232,10 +241,13 @@ if triton is not None:
             for kb0 in range(kb_start, kb_end, SUB):
                 for j in tl.static_range(SUB):
                     kb = kb0 + j
-                    a = tl.load(a_rows + kb * 32 + k32[None, :],
-                                mask=m_live[:, None] & (kb < kb_end) & (kb * 32 + k32[None, :] < K), other=0.0)
+                    if EVEN:
+                        a_mask = m_live[:, None]
+                    else:
+                        a_mask = m_live[:, None] & (kb < kb_end) & (kb * 32 + k32[None, :] < K)
+                    a = tl.load(a_rows + kb * 32 + k32[None, :], mask=a_mask, other=0.0)
                     b, sb = _b_block(b_base, bs_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
-                                     BS_E8M0, BS_ROWS, MMA_BF16)
+                                     BS_E8M0, BS_ROWS, MMA_BF16, EVEN)
                     if MMA_BF16:
                         acc = tl.dot(a, tl.trans(b), acc)
                     else:
@@ -243,7 +255,7 @@ if triton is not None:
                         acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
                     if SWIGLU:
                         b2, sb2 = _b_block(b2_base, bs2_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
-                                           BS_E8M0, BS_ROWS, MMA_BF16)
+                                           BS_E8M0, BS_ROWS, MMA_BF16, EVEN)
                         if MMA_BF16:
                             acc2 = tl.dot(a, tl.trans(b2), acc2)
                         else:
@@ -261,24 +273,30 @@ if triton is not None:
                      mask=m_live[:, None] & n_live[None, :])
 
 
-# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA_BF16) per workload ("decode": <= 64 rows per
-# weight; SPLIT_K 0 = as many K slices as fill the GPU).  MMA_BF16 1: the bf16 MMA on decoded tiles, 0: the FP8 MMA
-# with a promotion per 32-block.  Chosen without timings (no GPU time was left): from ptxas' register counts for
-# sm_90 (the bf16 path's 128x128 tiles take ~125 registers, two CTAs per SM; the FP8 path's 225-255, and spills at
-# SUB > 2) and the instruction count per 32-block (module docstring).  examples/benchmarks/quantized_gemm.py --sweep
-# times the alternatives.
+# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA_BF16) per workload and rows per weight ("decode" up to
+# 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA_BF16 1: the bf16 MMA
+# on decoded tiles, 0: the FP8 MMA with a promotion per 32-block.  Chosen without timings (no GPU time was left),
+# from what ptxas makes of them for sm_90: no spills; at 256x128 the main loop issues ~230 (FP8 weights) or ~380
+# (FP4) instructions per thread per 64 K against 1024 cycles of bf16 MMA for the CTA, so the tensor core should
+# bound it; the FP8 MMA path needs 225-255 registers already at 128x128 and issues ~276 per 64 K, twice the time
+# of its FP8 MMA.  examples/benchmarks/quantized_gemm.py --sweep times the alternatives.
 CONFIGS = {
     "dense_decode": (64, 64, 2, 4, 6, 0, 1),
-    "dense_prefill": (128, 128, 2, 8, 4, 1, 1),
+    "dense_medium": (128, 128, 2, 8, 4, 1, 1),
+    "dense_prefill": (256, 128, 2, 8, 3, 1, 1),
     "grouped_decode": (64, 64, 2, 4, 6, 1, 1),
-    "grouped_prefill": (128, 128, 2, 8, 4, 1, 1),
+    "grouped_medium": (128, 128, 2, 8, 4, 1, 1),
+    "grouped_prefill": (256, 128, 2, 8, 3, 1, 1),
     "swiglu_decode": (64, 32, 2, 4, 6, 1, 1),
-    "swiglu_prefill": (128, 64, 2, 8, 4, 1, 1),
+    "swiglu_medium": (128, 64, 2, 8, 4, 1, 1),
+    "swiglu_prefill": (256, 64, 2, 8, 3, 1, 1),
 }
 
 
 def _config(kind: str, rows: int, config):
-    return config if config is not None else CONFIGS[f"{kind}_{'decode' if rows <= 64 else 'prefill'}"]
+    if config is not None:
+        return config
+    return CONFIGS[f"{kind}_{'decode' if rows <= 64 else 'medium' if rows <= 512 else 'prefill'}"]
 
 
 @functools.cache
@@ -358,7 +376,8 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
         a, a_scale_t, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg, stride_bn,
         stride_bsg, stride_bsn, float(limit), B_FP4=b_fp4, BS_E8M0=bs_e8m0, BS_ROWS=bs_rows,
         GROUPED=counts is not None, SWIGLU=swiglu is not None, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
-        SPLIT_K=split, MMA_BF16=bool(mma_bf16), GROUP_M=8, num_warps=warps, num_stages=stages,
+        SPLIT_K=split, MMA_BF16=bool(mma_bf16), EVEN=k % (32 * sub) == 0 and n % block_n == 0, GROUP_M=8,
+        num_warps=warps, num_stages=stages,
     )
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
 

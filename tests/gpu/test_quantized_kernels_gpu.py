@@ -78,6 +78,8 @@ FP8_MMA, BF16_MMA = (128, 128, 2, 8, 3, 1, 0), (128, 128, 2, 8, 3, 1, 1)
         (300, 200, 320, FP8_MMA),
         (64, 96, 200, (64, 32, 2, 4, 3, 3, 1)),  # ragged K (partial 32-group), split K
         (64, 96, 200, (64, 32, 2, 4, 3, 3, 0)),
+        (256, 256, 512, BF16_MMA),  # tiles inside N and K: the unmasked weight loads
+        (256, 256, 512, FP8_MMA),
         (1, 512, 5120, None),  # decode, released wkv shape, split K by default
         (512, 5120, 8192, None),  # released wo_b shape
         (512, 5120, 8192, FP8_MMA),
@@ -116,10 +118,19 @@ def test_fp8_linear_without_rows_and_with_bad_input():
 COUNTS = [0, 37, 128, 0, 5, 200, 1, 0]  # ragged, empty experts included (first and last)
 
 
-@pytest.mark.parametrize("config", [None, (64, 64, 2, 4, 3, 1, 1), FP8_MMA, (64, 64, 1, 4, 3, 1, 0)])
-def test_fp4_grouped_gemm_against_fp64(config):
+@pytest.mark.parametrize(
+    "n,k,config",
+    [
+        (96, 160, None),  # K/32 = 5: not a multiple of 128
+        (96, 160, (64, 64, 2, 4, 3, 1, 1)),
+        (96, 160, FP8_MMA),
+        (96, 160, (64, 64, 1, 4, 3, 1, 0)),
+        (128, 256, None),  # tiles inside N and K: the unmasked weight loads
+        (128, 256, (64, 64, 2, 4, 3, 1, 0)),
+    ],
+)
+def test_fp4_grouped_gemm_against_fp64(n, k, config):
     gen = torch.Generator(device="cuda").manual_seed(1)
-    n, k = 96, 160  # K/32 = 5: not a multiple of 128
     codes, scales = fp4_experts(len(COUNTS), n, k, gen)
     x = torch.randn(sum(COUNTS), k, device="cuda", generator=gen).bfloat16()
     a, a_scale = kq.act_quant_fp8(x)
@@ -130,7 +141,7 @@ def test_fp4_grouped_gemm_against_fp64(config):
     ref = torch.cat([r @ decode_fp4_packed(codes[e], scales[e]).double().T
                      for e, r in enumerate(rows.split(COUNTS))])
     err32, err16 = rel_err(out32, ref), rel_err(out, ref)
-    print(f"fp4_grouped_gemm {config}: fp32 out {err32:.2e}, bf16 out {err16:.2e}")
+    print(f"fp4_grouped_gemm {n}x{k} {config}: fp32 out {err32:.2e}, bf16 out {err16:.2e}")
     assert err32 < FP32_FLOOR and err16 < BF16_ROUNDING
     assert torch.equal(kq.fp4_grouped_gemm(a, a_scale, codes, scales.float(), counts, out_dtype=torch.float32,
                                            config=config), out32)
