@@ -337,6 +337,7 @@ def _act_quant_t(x: torch.Tensor, qdq: bool = False) -> tuple[torch.Tensor, torc
     return codes, scales
 
 
+@torch.compiler.disable  # host-side launch code: opaque to a compiled model (a graph break per call)
 def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16 [M, K] -> (codes float8_e4m3fn [M, K], scales fp32 [M, ceil(K/32)]), the official V4.1 activation
     quantization (groups of 32, UE8M0 scales).  GPU kernel on CUDA, ``act_quant_reference`` elsewhere."""
@@ -382,6 +383,7 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
 
+@torch.compiler.disable
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out_dtype=torch.bfloat16,
                config=None) -> torch.Tensor:
     """x [..., K] (bf16) @ FP8 weight [N, K] (32x32 block scales [ceil(N/32), ceil(K/32)], UE8M0 or F32)^T ->
@@ -434,6 +436,7 @@ def _check_counts(counts: torch.Tensor, groups: int) -> torch.Tensor:
     return counts.to(torch.int32)
 
 
+@torch.compiler.disable
 def fp4_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                      counts: torch.Tensor, *, out_dtype=torch.bfloat16, config=None) -> torch.Tensor:
     """FP8 rows a [m, K] with scales [m, ceil(K/32)] (``act_quant_fp8``), sorted by group with ``counts`` [G] rows
@@ -453,6 +456,7 @@ def fp4_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor
                    bs_e8m0=e8m0, bs_rows=1, config=config, strides=_fp4_strides(codes, s), counts=counts.to(a.device))
 
 
+@torch.compiler.disable
 def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit: float, *,
                         configs=(None, None)) -> torch.Tensor:
     """The routed experts' clamped SwiGLU on the stored FP4 weights (see the module docstring): x bf16 [m, dim]
