@@ -267,7 +267,7 @@ if triton is not None:
                     up = tl.clamp(up, -limit, limit)
                     gate = tl.minimum(gate, limit)
                 w = tl.load(w_ptr + offs_m, mask=m_live, other=0.0)
-                acc = gate / (1.0 + tl.exp(-gate)) * up * w[:, None]
+                acc = gate * tl.sigmoid(gate) * up * w[:, None]  # as kernels_triton.weighted_swiglu_triton
             c_ptr += tl.program_id(1).to(tl.int64) * M * N
             tl.store(c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                      mask=m_live[:, None] & n_live[None, :])
