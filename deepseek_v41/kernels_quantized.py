@@ -11,7 +11,7 @@ block (architecture.md §4, §6).  These functions do the same on the GPU withou
   The scales are powers of two (UE8M0 values held as fp32); the returned scale tensor is a transposed view of
   a [ceil(K/32), M] buffer (the layout the GEMMs read), so use it through indexing, not ``.data_ptr()``.
 * ``fp8_linear(x, weight, scale)``: x [..., K] bf16, weight float8_e4m3fn [N, K], scale [ceil(N/32), ceil(K/32)]
-  (float8_e8m0fnu or float32) -> bf16 [..., N] = act_quant_fp8 + block-scaled FP8 GEMM.
+  (float8_e8m0fnu or float32) -> bf16 [..., N] = act_quant_fp8 + the block-scaled GEMM (below).
 * ``fp4_grouped_gemm(a, a_scale, codes, scales, counts)``: FP8 activations [m, K] (rows sorted by group,
   ``counts`` [G] rows each) times packed FP4 weights codes [G, N, K/2] (int8/uint8, low nibble = even k), scales
   [G, N, ceil(K/32)] -> bf16 [m, N].
