@@ -30,8 +30,9 @@ How the 32-wide K blocks are honoured (``MMA_BF16`` in a kernel configuration pi
 
 * FP8 MMA: an FP8 tensor-core MMA on Hopper consumes K=32 per instruction, so each 32-block's partial product comes
   out of its own ``tl.dot`` and is promoted into the fp32 accumulator with the product of its two power-of-two
-  scales.  That promotion is two CUDA-core operations per output element per 32 inputs, twice the tensor core's
-  time for the block: the FP8 MMA cannot run near its peak, at best at about the bf16 MMA's.
+  scales: one FFMA per output element per 32 inputs, as many CUDA-core cycles as the tensor core spends on the
+  block.  With the loop's other work the issue slots bound it, not the tensor core (ptxas, 128x128 tile: 153
+  instructions per thread per 32-block, ~2.4x the MMA's cycles).
 * bf16 MMA (the default): every operand value is a short code times a power of two, exact in bf16 (E4M3 and E2M1
   have 3 and 1 mantissa bits).  The activations are quantized to FP8 exactly as above and stored as their bf16
   values; the weight tiles are decoded to bf16 in registers (code times scale, one multiply per weight element per
@@ -276,10 +277,10 @@ if triton is not None:
 # (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA_BF16) per workload and rows per weight ("decode" up to
 # 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA_BF16 1: the bf16 MMA
 # on decoded tiles, 0: the FP8 MMA with a promotion per 32-block.  Chosen without timings (no GPU time was left),
-# from what ptxas makes of them for sm_90: no spills; at 256x128 the main loop issues ~230 (FP8 weights) or ~380
-# (FP4) instructions per thread per 64 K against 1024 cycles of bf16 MMA for the CTA, so the tensor core should
-# bound it; the FP8 MMA path needs 225-255 registers already at 128x128 and issues ~276 per 64 K, twice the time
-# of its FP8 MMA.  examples/benchmarks/quantized_gemm.py --sweep times the alternatives.
+# from what ptxas makes of them for sm_90 (examples/benchmarks/results/quantized_gemm_ptxas_sm90.txt): no spills;
+# at 256x128 the main loop issues 230 (FP8 weights) or 376 (FP4) instructions per thread per 64 K, 460 or 752
+# issue cycles for the CTA's 8 warps against 1024 cycles of bf16 MMA, so the tensor core should bound it; the FP8
+# MMA path at 128x128 issues 153 per 32 K, 306 cycles against 128 of FP8 MMA.  quantized_gemm.py --sweep times them.
 CONFIGS = {
     "dense_decode": (64, 64, 2, 4, 6, 0, 1),
     "dense_medium": (128, 128, 2, 8, 4, 1, 1),

@@ -3,6 +3,7 @@
     python examples/benchmarks/quantized_gemm.py                       # dense linears + routed experts
     python examples/benchmarks/quantized_gemm.py --official DIR        # also the official TileLang fp8/fp4_gemm
     python examples/benchmarks/quantized_gemm.py --sweep               # time the kernel configurations
+    python examples/benchmarks/quantized_gemm.py --ptxas               # no GPU: compile them for sm_90, report
 
 Dense: the released FP8 linears' shapes (architecture.md §12) at prefill (``--tokens``) and decode (``--decode``)
 row counts.  ``fp8_linear`` (activation quantization + block-scaled FP8 GEMM) and its GEMM alone (activations
@@ -19,6 +20,10 @@ PyPI tilelang on the path).  Its ``fp8_gemm`` takes 128-wide blocks (V4) unless 
 (V4.1), its ``fp4_gemm`` 128-wide activation blocks unless it accepts ``act_block_size=``; the official experts
 run one ``Expert.forward`` per expert (act_quant + fp4_gemm three times, SwiGLU in eager PyTorch), as
 the official ``MoE.forward`` does.  CUDA-event medians.
+
+``--ptxas`` needs Triton but no GPU: each ``SWEEP`` configuration compiled for sm_90 as a launch would (16-byte
+aligned pointers, K and N multiples of 16), with ptxas' registers and spill stack per thread, the shared memory,
+and the instructions per thread in the main loop (one step of SUB 32-blocks) read off the SASS.
 """
 
 import argparse
@@ -280,6 +285,84 @@ def sweep(args):
     return lines, best
 
 
+def ptxas_report():
+    """Compile the SWEEP configurations for sm_90 without a GPU and report what ptxas made of them."""
+    import re
+    import subprocess
+    import tempfile
+    from collections import Counter
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    cuobjdump = Path(triton_path()) / "backends/nvidia/bin/cuobjdump"
+    lines = [(f"# ptxas for sm_90 (Triton {triton_version()}): registers, spill stack (bytes/thread), shared memory, "
+              "main-loop instructions per thread per step (mix); (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K, "
+              "MMA_BF16)")]
+    for kind, configs in SWEEP.items():
+        fp4, swiglu = not kind.startswith("dense"), kind.startswith("swiglu")
+        for bm, bn, sub, warps, stages, split, mma in configs:
+            weight = "*u8" if fp4 else "*fp8e4nv"
+            act = "*bf16" if mma else "*fp8e4nv"
+            sig = {"a_ptr": act, "as_ptr": "*bf16" if mma else "*fp32", "b_ptr": weight, "bs_ptr": "*u8",
+                   "b2_ptr": weight, "bs2_ptr": "*u8", "c_ptr": "*bf16", "w_ptr": "*fp32", "tile_start_ptr": "*i32",
+                   "row_start_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "n_groups": "i32", "stride_bg": "i32",
+                   "stride_bn": "i32", "stride_bsg": "i32", "stride_bsn": "i32", "limit": "fp32"}
+            aligned = [i for i, (name, ty) in enumerate(sig.items())
+                       if ty.startswith("*") or name in ("M", "N", "K", "stride_bg", "stride_bn", "stride_bsg")]
+            constexprs = {"B_FP4": fp4, "BS_E8M0": True, "BS_ROWS": 1 if fp4 else 32, "GROUPED": fp4,
+                          "SWIGLU": swiglu, "BLOCK_M": bm, "BLOCK_N": bn, "SUB": sub, "SPLIT_K": max(split, 1),
+                          "MMA_BF16": bool(mma), "EVEN": True, "GROUP_M": 8}
+            sig.update(dict.fromkeys(constexprs, "constexpr"))
+            src = ASTSource(fn=kq._scaled_gemm_kernel, signature=sig, constexprs=constexprs,
+                            attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+            kernel = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], check=True, capture_output=True,
+                                       text=True)
+                sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+            regs = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+            loop = main_loop(sass)
+            mix = ", ".join(f"{op} {n}" for op, n in Counter(op.split(".")[0] for op in loop).most_common(5))
+            lines.append(f"{kind:16s} {(bm, bn, sub, warps, stages, split, mma)}: registers {regs[1]}, stack "
+                         f"{regs[2]}, shared {kernel.metadata.shared // 1024} KiB, loop {len(loop)} ({mix})")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def triton_path():
+    import triton
+
+    return triton.__path__[0]
+
+
+def triton_version():
+    import triton
+
+    return triton.__version__
+
+
+def main_loop(sass: str) -> list[str]:
+    """Opcodes of the longest backward-branch loop that issues tensor-core MMAs (HGMMA / QGMMA) in a SASS dump."""
+    import re
+
+    ops = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if m:
+            ops.append((int(m[1], 16), m[2], m[3]))
+    best = []
+    for addr, op, rest in ops:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target[1], 16) < addr:
+            body = [o for a, o, _ in ops if int(target[1], 16) <= a <= addr]
+            if any(o.startswith(("HGMMA", "QGMMA")) for o in body) and len(body) > len(best):
+                best = body
+    return best
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     def ints(s):
@@ -298,8 +381,12 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="only time the kernel configurations")
     ap.add_argument("--tune", action="store_true", help="time the configurations, then benchmark the fastest")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: dense, experts")
+    ap.add_argument("--ptxas", action="store_true", help="no GPU: compile the configurations for sm_90, report")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.ptxas:
+        report("\n".join(ptxas_report()), args.out)
+        return
     if not torch.cuda.is_available() or not kq.quantized_gemm_usable(torch.empty(0, device="cuda")):
         sys.exit("quantized GEMM benchmark needs a CUDA GPU with FP8 tensor cores and Triton")
     torch.manual_seed(0)
