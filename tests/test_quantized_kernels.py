@@ -2,8 +2,11 @@
 independently (frexp for the power-of-two ceiling, a real division), and the GEMM entry points' input checks.
 The Triton kernels themselves are tested on the GPU (tests/gpu/test_quantized_kernels_gpu.py)."""
 
+import importlib.util
+
 import pytest
 import torch
+from conftest import official_dir
 
 from deepseek_v41 import kernels_quantized as kq
 from deepseek_v41.release_format import encode_fp4_packed, encode_fp8_blockwise
@@ -33,6 +36,20 @@ def test_act_quant_reference_matches_the_official_formula():
     assert torch.equal(scales, ref_scales)
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
     assert scales[1, 0] == 2.0**-5 and scales[0, 0] == 2.0**-22
+
+
+def test_act_quant_reference_matches_the_official_kernel():
+    # the official V4.1 call site: act_quant(x, fp8_block_size=32, scale_fmt="ue8m0", scale_dtype=float8_e8m0fnu);
+    # DS41_OFFICIAL_DIR's kernel.py (CPU stand-ins of the official kernels), else a skip
+    spec = importlib.util.spec_from_file_location("official_kernel_for_act_quant", official_dir() / "kernel.py")
+    official = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(official)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(48, 320, generator=gen) * torch.logspace(-5, 3, 48)[:, None]).bfloat16()
+    codes, scales = kq.act_quant_reference(x)
+    ref_codes, ref_scales = official.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+    assert torch.equal(scales, ref_scales.float())
 
 
 def test_act_quant_ragged_last_group_uses_its_own_columns():
