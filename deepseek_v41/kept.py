@@ -220,22 +220,21 @@ class KeptFp8Linear(_KeptModule):
     def grouped_forward(self, o: torch.Tensor, groups: int) -> torch.Tensor:
         """Block-diagonal product (attention's ``wo_a``): o [n, groups, d] -> [n, groups·r], group g through rows
         g·r..(g+1)·r. Each group's rows are whole scale blocks when r is a multiple of the block (the release:
-        r = 1024); otherwise every group goes through all rows and keeps its own block (the diagonal)."""
+        r = 1024); otherwise every group goes through all rows and keeps its own block (the diagonal).
+        Always the tile-by-tile product with unquantized activations: the official code decodes ``wo_a`` to bf16
+        at conversion and multiplies in bf16 (no FP8 activation rounding), so the FP8 GEMM kernels, which
+        quantize the activations, would depart from it."""
+        _refuse_training(self)
         r = self.out_features // groups
         if r % self.block[0]:
-            y = self(o).unflatten(-1, (groups, r))
+            y = fp8_linear_tiled(o, self.weight, self.scale, self.block).unflatten(-1, (groups, r))
             return y.diagonal(dim1=1, dim2=2).transpose(1, 2).flatten(1)
-        _refuse_training(self)
-        kernels = quantized_kernels(o)
         blocks = r // self.block[0]
         y = o.new_empty(o.shape[0], groups, r)
         for g in range(groups):
             weight = self.weight[g * r:(g + 1) * r]
             scale = self.scale[g * blocks:(g + 1) * blocks]
-            if kernels is not None and self.block == (32, 32):
-                y[:, g] = kernels.fp8_linear(o[:, g], weight, scale)
-            else:
-                y[:, g] = fp8_linear_tiled(o[:, g], weight, scale, self.block)
+            y[:, g] = fp8_linear_tiled(o[:, g], weight, scale, self.block)
         return y.view(o.shape[0], -1)
 
     def extra_repr(self) -> str:

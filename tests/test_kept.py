@@ -86,6 +86,26 @@ def test_fallback_logits_equal_the_dequantizing_load(fixture, monkeypatch):
     assert decoded_rows and max(decoded_rows) <= 32
 
 
+def test_wo_a_multiplies_unquantized_activations(monkeypatch):
+    """The official code decodes ``wo_a`` to bf16 and multiplies in bf16: the kept ``wo_a`` must never go through the
+    FP8 kernels (they round the activations to FP8), even where they are usable; its output equals the decoded
+    weight's bf16 product per group, bit for bit."""
+
+    class Kernels:
+        def fp8_linear(self, *args, **kwargs):
+            raise AssertionError("wo_a went through the FP8 GEMM (activations quantized)")
+
+    monkeypatch.setattr(kept_module, "quantized_kernels", lambda x: Kernels())
+    attn = load("v41_tiny_text", None).layers[0].attn
+    wo_a, groups = attn.wo_a, attn.o_groups
+    o = torch.randn(5, groups, wo_a.in_features, dtype=torch.bfloat16)
+    weight = load("v41_tiny_text", True).layers[0].attn.wo_a.weight  # the dequantizing load's bf16 [groups·r, d]
+    r = wo_a.out_features // groups
+    expected = torch.cat([o[:, g] @ weight[g * r:(g + 1) * r].t() for g in range(groups)], dim=-1)
+    with torch.no_grad():
+        assert torch.equal(wo_a.grouped_forward(o, groups), expected)
+
+
 def test_fallback_logits_equal_in_fp32():
     ids = golden("v41_tiny_text")["input_ids"][:1, :32]
     with torch.no_grad():
