@@ -29,7 +29,7 @@ from .cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
 from .configuration_deepseek_v41 import DeepseekV41Config, check_config_values
 from .dspark import build_stages, dspark_stage_count
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
-from .engram_host import HOST, prefetch_engram_rows
+from .engram_host import HOST, prefetch_engram_rows, stored_table_tensors, tables_left_out
 from .kept import KeptTensor, is_kept, keep_release_formats
 from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
@@ -1132,27 +1132,37 @@ def resolve_device_map(model, device_map, dtype, max_memory=None) -> dict:
     return placement
 
 
+def device_map_dtypes(model) -> dict:
+    """accelerate's ``special_dtypes`` for ``model``: the tensors whose bytes are not ``dtype``'s: the fp32 islands,
+    and the kept FP8/FP4 codes and scales (Engram tables' included), counted at their stored size."""
+    special = {name: torch.float32 for name, t in model.named_parameters() if t.dtype == torch.float32}
+    special.update({name: t.dtype for name, t in model.named_buffers() if isinstance(t, KeptTensor)})
+    special.update({name: t.dtype for name, t in stored_table_tensors(model).items()})
+    return special
+
+
 def plan_device_map(model, plan: str, dtype, max_memory=None) -> dict:
-    # accelerate's planner over the meta-device model, whole blocks per device, fp32 islands counted as fp32
+    # accelerate's planner over the meta-device model, whole blocks per device, every tensor at the bytes it will
+    # hold; Engram tables held in host memory (engram_device="cpu") are left out: they take no device's memory
+    # (materialize allocates them on the host whatever the plan), as the inference planner assumes
     try:  # (in a try block, transformers' remote-code import check does not demand accelerate of every export)
         from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
     except ImportError as err:
         raise ImportError(f'device_map="{plan}" plans with the accelerate package: pip install accelerate') from err
 
     no_split = list(model._no_split_modules)
-    special = {name: torch.float32 for name, t in model.named_parameters() if t.dtype == torch.float32}
-    # kept FP8/FP4 codes and their scales count at their stored size, not at ``dtype``'s
-    special.update({name: t.dtype for name, t in model.named_buffers() if isinstance(t, KeptTensor)})
-    if plan == "sequential":
-        max_memory = get_max_memory(max_memory)
-    else:
-        max_memory = get_balanced_memory(
-            model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special,
-            low_zero=plan == "balanced_low_0",
+    with tables_left_out(model):
+        special = device_map_dtypes(model)
+        if plan == "sequential":
+            max_memory = get_max_memory(max_memory)
+        else:
+            max_memory = get_balanced_memory(
+                model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special,
+                low_zero=plan == "balanced_low_0",
+            )
+        device_map = infer_auto_device_map(
+            model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special
         )
-    device_map = infer_auto_device_map(
-        model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special
-    )
     offloaded = sorted(k for k, v in device_map.items() if v in ("disk", "meta"))
     if offloaded:
         raise NotImplementedError(
