@@ -28,6 +28,7 @@ from .backends import check_available
 from .cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
 from .configuration_deepseek_v41 import DeepseekV41Config
 from .dspark import build_stages, dspark_stage_count
+from .dspark_loss import check_dspark_training, dspark_batch_loss, dspark_loss_weight
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
 from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
@@ -568,6 +569,14 @@ class DeepseekV41CausalLMOutput(CausalLMOutputWithPast):
 
     last_hidden_state: torch.Tensor | None = None
     dspark_hidden: torch.Tensor | None = None
+    # with text_config.dspark_loss_weight > 0 and labels (dspark_loss.py): loss = lm_loss + weight x (dspark_loss +
+    # dspark_confidence_loss), the stages' draft CE and confidence BCE, means over the dspark_positions drafted
+    # positions; dspark_accuracy: the share of drafts (argmax) equal to their target
+    lm_loss: torch.FloatTensor | None = None
+    dspark_loss: torch.FloatTensor | None = None
+    dspark_confidence_loss: torch.FloatTensor | None = None
+    dspark_accuracy: torch.FloatTensor | None = None
+    dspark_positions: torch.LongTensor | None = None
 
 
 class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
@@ -592,6 +601,10 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             )
         if labels is not None:
             check_targets(labels, self.config.text_config.vocab_size)  # a host sync, like the attention-mask check
+        dspark_weight = dspark_loss_weight(self.config) if labels is not None else 0.0
+        if dspark_weight:  # the DSpark stages' training loss (dspark_loss.py) reads the target layers' inputs
+            check_dspark_training(self)
+            kwargs["output_dspark_hidden"] = True
         backbone = super().forward(input_ids, attention_mask=attention_mask, **kwargs)
         hidden = backbone.last_hidden_state.to(self.head.weight.device)
         loss = None
@@ -612,10 +625,20 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
                 loss = total / (targets != IGNORE_INDEX).sum().clamp(min=1)
             else:
                 loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
+        extra = {}
+        if dspark_weight:  # loss = the LM loss (lm_loss) + weight x the stages' mean loss per drafted position
+            stage = dspark_batch_loss(self, backbone.dspark_hidden, input_ids, labels, attention_mask)
+            mean = stage.total / stage.count.clamp(min=1)
+            if num_items_in_batch is not None:  # gradient accumulation: this micro-batch's share of the labels
+                mean = mean * (targets != IGNORE_INDEX).sum() / torch.as_tensor(num_items_in_batch, device=mean.device)
+            n = stage.count.clamp(min=1)
+            extra = {"lm_loss": loss, "dspark_loss": stage.draft / n, "dspark_confidence_loss": stage.confidence / n,
+                     "dspark_accuracy": stage.correct / n, "dspark_positions": stage.count}
+            loss = loss + dspark_weight * mean
         output = with_cache(  # logits fp32 [b, s, vocab]
             DeepseekV41CausalLMOutput, returned_cache(backbone), loss=loss, logits=logits,
             hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state,
-            dspark_hidden=getattr(backbone, "dspark_hidden", None),
+            dspark_hidden=getattr(backbone, "dspark_hidden", None), **extra,
         )
         return output.to_tuple() if return_dict is False else output
 
