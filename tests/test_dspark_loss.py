@@ -60,7 +60,7 @@ def reference(model, batch):
             state = DSparkState(model.mtp, model.config.text_config.sliding_window)
             state.add(model.mtp, hidden[r : r + 1, : p + 1])
             with torch.no_grad():  # teacher-forced: each draft's Markov bias from the true token before it
-                draft = draft_block(model, state, ids[r : r + 1, p + 1], pick=lambda logits, i: torch.tensor([truth[i]]))
+                draft = draft_block(model, state, ids[r : r + 1, p + 1], pick=lambda _, i, truth=truth: torch.tensor([truth[i]]))
             logp = torch.log_softmax(draft.logits[0].double(), -1)
             for i, t in enumerate(targets):
                 if t == -100:
@@ -151,8 +151,8 @@ def test_left_padding_gives_the_right_padded_loss(model, batch):
     # row 1 moved to the right end (left padding): the same positions, so the same loss
     shift = batch["attention_mask"].shape[1] - int(batch["attention_mask"][1].sum())
     left = {k: v.clone() for k, v in batch.items()}
-    for k in left:
-        left[k][1] = batch[k][1].roll(shift)
+    for k, value in left.items():
+        value[1] = batch[k][1].roll(shift)
     with torch.no_grad():
         right_out = with_weight(model, 1.0)(**batch)
         left_out = model(**left)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from deepseek_v41.dspark_loss import draft_count
 from deepseek_v41.modeling_deepseek_v41 import causal_lm_targets
 from deepseek_v41.training import checkpointing
 from deepseek_v41.training import data as data_lib
@@ -38,7 +39,7 @@ from deepseek_v41.training.expert_parallel import (
     expert_global_mesh,
     routed_expert_modules,
 )
-from deepseek_v41.training.fsdp import parallelize
+from deepseek_v41.training.fsdp import parallelize, trained_blocks
 from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, describe_schedule, lr_at
 from deepseek_v41.training.plan import check_layout
@@ -66,12 +67,14 @@ class Trainer:
         self._build_model()
         self._build_data()
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
+        self.dspark_weight = recipe["model"]["dspark_loss_weight"]
+        self.params = [p for n, p in named if not n.startswith("mtp.")]  # the DSpark stages, when trained, apart
+        self.stage_params = [p for n, p in named if n.startswith("mtp.")]
         self.optimizer = build_optimizer(named, recipe["optimizer"], self.device.type)
         self.optimizer_impl = self.optimizer.impl  # what optimizer.impl resolved to (logs, checkpoints)
         decayed = sum(len(g["params"]) for g in self.optimizer.param_groups if g["weight_decay"])
         self._print(f"[finetune] optimizer {self.optimizer_impl}: weight decay on {decayed} of "
-                    f"{len(self.params)} parameter tensors")
+                    f"{len(named)} parameter tensors")
         self.wandb = _init_wandb(recipe) if self.rank == 0 and recipe["wandb"]["enable"] else None
         self.checkpointer = Checkpointer(self)
 
@@ -99,7 +102,7 @@ class Trainer:
         # to_empty may replace Parameter objects: collect the special groups again from their modules.
         self.expert_params = [p for m in routed_expert_modules(self.model) for p in m.parameters()]
         self.table_params = [m.embed.weight for m in engram_modules(self.model)]
-        self.replicated = [block.attn.attn_sink for block in self.model.layers]
+        self.replicated = [block.attn.attn_sink for block in trained_blocks(self.model)]
         load_sharded_checkpoint(self.model, self.path, dequantize=r["model"]["dequantize_base_checkpoint"])
         self.model.train()
 
@@ -165,6 +168,8 @@ class Trainer:
         global_count = self._all_sum(counts.sum()).clamp(min=1)
         tokens = self._all_sum(sum(b["attention_mask"].sum() for b in batches))
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.dspark_weight:
+            return self._gradients_with_dspark(batches, global_count, tokens)
         for batch in batches:
             summed, _ = self._forward(batch)
             (summed * (self.world / global_count.float())).backward()
@@ -172,11 +177,36 @@ class Trainer:
         self._finish_gradients()
         return {"loss": float(self._all_sum(loss_sum) / global_count), "tokens": float(tokens)}
 
+    def _gradients_with_dspark(self, batches, global_count, tokens) -> dict:
+        """``compute_gradients`` with the DSpark stages' loss (``model.dspark_loss_weight`` = w): each rank
+        back-propagates ``lm_sum * W / global_count + w * stage_sum * W / global_drafted``, the stages' loss being
+        normalized over the drafted positions of the global batch as the LM loss is over its labels."""
+        block = self.model.config.text_config.dspark_block_size
+        drafted = self._all_sum(sum(draft_count(b["labels"], b["attention_mask"], block) for b in batches))
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # LM CE, draft CE, confidence BCE, correct
+        for batch in batches:
+            out = self.model(**batch)
+            summed = out.lm_loss * supervised_count(batch)
+            n = out.dspark_positions
+            draft, confidence = out.dspark_loss * n, out.dspark_confidence_loss * n
+            ((summed * (self.world / global_count.float()))
+             + (draft + confidence) * (self.dspark_weight * self.world / drafted.clamp(min=1).float())).backward()
+            sums += torch.stack([summed, draft, confidence, out.dspark_accuracy * n]).detach().double()
+        self._finish_gradients()
+        sums = self._all_sum(sums)
+        per = drafted.clamp(min=1)
+        return {"loss": float(sums[0] / global_count), "tokens": float(tokens), "dspark_loss": float(sums[1] / per),
+                "dspark_confidence_loss": float(sums[2] / per), "dspark_accuracy": float(sums[3] / per)}
+
     def train_step(self, update: int) -> dict:
         stats = self.compute_gradients(update)
         max_norm = self.recipe["clip_grad_norm"]["max_norm"]
+        max_norm = max_norm if max_norm else math.inf
         replicas = {p: self.world for p in self.replicated}  # experts: disjoint shards, each element counted once
-        grad_norm = clip_grad_norm_(self.params, max_norm if max_norm else math.inf, replicas=replicas)
+        # the DSpark stages are clipped on their own: their loss leaves the backbone's update exactly as without it
+        grad_norm = clip_grad_norm_(self.params, max_norm, replicas=replicas)
+        if self.dspark_weight:
+            stats["dspark_grad_norm"] = float(clip_grad_norm_(self.stage_params, max_norm, replicas=replicas))
         lr = lr_at(update, self.recipe["lr_scheduler"], self.recipe["optimizer"]["lr"])
         for group in self.optimizer.param_groups:
             group["lr"] = lr
