@@ -51,6 +51,21 @@ AUTO_MAP = {
 }
 
 
+class StreamMeans:
+    """What a forward's DSpark target blocks append their stream means to (``append``, then iterated in layer order).
+    Not a list: module hooks that rebuild a block's list and dataclass inputs around their tensors (FSDP2's
+    post-backward hook) would hand the next block a copy."""
+
+    def __init__(self):
+        self.means = []
+
+    def append(self, mean: torch.Tensor) -> None:
+        self.means.append(mean)
+
+    def __iter__(self):
+        return iter(self.means)
+
+
 class DeepseekV41Block(GradientCheckpointingLayer):
     """One layer: [Engram] → attention sublayer → MoE sublayer, each wrapped by an mHC mix.
 
@@ -441,7 +456,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre[..., 0] = 1.0  # block 0 collapses with a one-hot pre-mix on stream 0
         state = CSA2State(cache, lengths if cache is not None else None)
         hidden_states = [h] if output_hidden_states else None
-        means = []  # the DSpark target layers' stream means, in layer order
+        means = StreamMeans()  # the DSpark target layers' stream means, in layer order
         for layer in self.layers:
             hash_ids = engram_hash_ids_for(engram_hash_ids, layer, self.config.text_config)
             if layer.hc_attn_fn.device != x.device:  # device_map spread the blocks over devices

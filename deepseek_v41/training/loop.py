@@ -288,6 +288,7 @@ class Trainer:
                 step = update + 1
                 record = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                           "tokens_per_s": stats["tokens"] / step_time}
+                record.update((k, v) for k, v in stats.items() if k.startswith("dspark_"))  # the stages' loss, if on
                 records.append(record)
                 self._emit(metrics, record)
                 if step % log_every == 0 or step == self.max_steps:
@@ -356,6 +357,8 @@ class Trainer:
         self._print(
             f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {record['loss']:.4f} | "
             f"grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+            + (f"dspark {record['dspark_loss']:.4f} (acc {record['dspark_accuracy']:.3f}) | " if "dspark_loss" in record
+               else "") +
             f"{record['tokens_per_s']:.0f} tok/s | {elapsed:.0f}s elapsed, eta {eta:.0f}s"
         )
 
