@@ -168,3 +168,29 @@ def test_direct_call_returns_the_drafted_logits(model, batch):
                                                                batch["attention_mask"], return_logits=True)
     assert logits.dtype == confidence.dtype == torch.float32 and logits.shape == (106, model.config.text_config.vocab_size)
     assert float(loss.draft) == pytest.approx(float(torch.nn.functional.cross_entropy(logits, target, reduction="sum")))
+
+
+def test_hf_trainer_trains_the_stages_with_gradient_checkpointing(model, batch, tmp_path):
+    """transformers' Trainer (gradient accumulation over 2 micro-batches, gradient checkpointing, no clipping, SGD):
+    with the weight on, the stages move and the backbone lands exactly where the switch-off run puts it."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(2)]
+    trained = {}
+    for weight in (0.0, 0.5):
+        copy_ = with_weight(copy.deepcopy(model), weight)
+        args = TrainingArguments(output_dir=str(tmp_path / str(weight)), max_steps=1, per_device_train_batch_size=1,
+                                 gradient_accumulation_steps=2, learning_rate=0.1, optim="sgd", max_grad_norm=0.0,
+                                 lr_scheduler_type="constant", save_strategy="no", report_to=[], use_cpu=True,
+                                 gradient_checkpointing=True, disable_tqdm=True)
+        Trainer(model=copy_, args=args, train_dataset=rows).train()
+        trained[weight] = dict(copy_.named_parameters())
+    start = dict(model.named_parameters())
+    for name, p in start.items():
+        if name.startswith("mtp."):
+            assert torch.equal(trained[0.0][name], p), name  # off: the stages are not trained
+        else:
+            assert torch.equal(trained[0.5][name], trained[0.0][name]), name
+    moved = [n for n in start if n.startswith("mtp.") and not torch.equal(trained[0.5][n], start[n])]
+    assert len(moved) > 30

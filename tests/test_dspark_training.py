@@ -21,8 +21,9 @@ RUN = ["--step_scheduler.val_every_steps=0", "--step_scheduler.max_steps=3", "--
 
 def test_two_gloo_ranks_train_the_stages_and_leave_the_backbone_as_it_was(tmp_path):
     """Every rank: the stages' experts EP-sharded (2 of 4 per rank), the stage metrics in the records, finite and
-    beside the main loss; the main loss and the backbone's gradient norm equal the switch-off run's bit for bit
-    (the stages read detached inputs and are clipped on their own); the stages' weights moved."""
+    beside the main loss, the stage loss falling; the main loss and the backbone's gradient norm equal the
+    switch-off run's bit for bit (the stages read detached inputs and are clipped on their own); the stages'
+    weights moved, and the export holds them."""
     from deepseek_v41.training.tiny_checkpoint import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", **DSPARK)
@@ -31,6 +32,16 @@ def test_two_gloo_ranks_train_the_stages_and_leave_the_backbone_as_it_was(tmp_pa
     assert_every_rank(result, 2, "DSPARK TRAINING OK")
     assert "dspark_loss" in (tmp_path / "run" / "on" / "metrics.jsonl").read_text()
     assert "dspark_loss" not in (tmp_path / "run" / "off" / "metrics.jsonl").read_text()
+    # the export carries the trained stages (the switch itself stays with the run)
+    import torch
+
+    from deepseek_v41.checkpoint import ReleasedCheckpoint
+    from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
+
+    model = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "run" / "on" / "model")
+    assert len(model.mtp) == 3 and model.config.text_config.dspark_loss_weight == 0.0
+    base = ReleasedCheckpoint(ckpt).decode("mtp.2.confidence_head.proj.weight").float()
+    assert not torch.equal(model.mtp[2].confidence_head.proj.weight.float(), base)
 
 
 def test_recipe_switch_is_checked(tmp_path):
@@ -62,8 +73,9 @@ def _worker(argv: list) -> None:
     overrides = parse_overrides(argv[1:])
     runs = {}
     for name, weight in (("off", 0.0), ("on", 0.5)):
-        recipe = load_recipe(argv[0], {**overrides, "output_dir": f"{overrides['output_dir']}/{name}",
-                                       "model.dspark_loss_weight": weight})
+        out = overrides["output_dir"]
+        recipe = load_recipe(argv[0], {**overrides, "output_dir": f"{out}/{name}", "model.dspark_loss_weight": weight,
+                                       "checkpoint.export_dir": f"{out}/{name}/model" if weight else None})
         trainer = Trainer(recipe)
         stages = getattr(trainer.model, "mtp", None)
         before = [p.detach().clone() for p in trainer.stage_params] if stages is not None else []
