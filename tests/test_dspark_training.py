@@ -15,8 +15,9 @@ RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
 DSPARK = {"num_nextn_predict_layers": 3, "dspark_block_size": 4, "dspark_noise_token_id": 128799,
           "dspark_target_layer_ids": [6, 7, 8], "dspark_markov_rank": 4, "dspark_n_routed_experts": 4,
           "dspark_num_experts_per_tok": 3, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0]}
-RUN = ["--step_scheduler.val_every_steps=0", "--step_scheduler.max_steps=3", "--prewarm=false",
-       "--checkpoint.export_dir=null", "--checkpoint.reload_export=false", "--lr_scheduler.lr_warmup_steps=0"]
+# 3 updates at the full rate, the flagship's activation checkpointing (the stages are checkpointed like blocks)
+RUN = ["--step_scheduler.val_every_steps=0", "--step_scheduler.max_steps=3", "--checkpoint.reload_export=false",
+       "--lr_scheduler.lr_warmup_steps=0", "--fsdp.activation_checkpointing=true"]
 
 
 def test_two_gloo_ranks_train_the_stages_and_leave_the_backbone_as_it_was(tmp_path):
