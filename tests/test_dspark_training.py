@@ -1,6 +1,6 @@
 """The tiny CPU recipe with the DSpark stages' loss on (``model.dspark_loss_weight``): 2 gloo ranks, FSDP2 + EP 2,
 a tiny released-format checkpoint with 3 DSpark stages.  This file is also the torchrun worker (``__main__``): each
-rank trains the same 3 updates with the switch off, then on, and checks them itself (``torchrun_launch.mark``)."""
+rank trains the same 2 updates with the switch off, then on, and checks them itself (``torchrun_launch.mark``)."""
 
 import math
 import sys
@@ -15,8 +15,8 @@ RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
 DSPARK = {"num_nextn_predict_layers": 3, "dspark_block_size": 4, "dspark_noise_token_id": 128799,
           "dspark_target_layer_ids": [6, 7, 8], "dspark_markov_rank": 4, "dspark_n_routed_experts": 4,
           "dspark_num_experts_per_tok": 3, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0]}
-# 3 updates at the full rate, the flagship's activation checkpointing (the stages are checkpointed like blocks)
-RUN = ["--step_scheduler.val_every_steps=0", "--step_scheduler.max_steps=3", "--checkpoint.reload_export=false",
+# 2 updates at the full rate, the flagship's activation checkpointing (the stages are checkpointed like blocks)
+RUN = ["--step_scheduler.val_every_steps=0", "--step_scheduler.max_steps=2", "--checkpoint.reload_export=false",
        "--lr_scheduler.lr_warmup_steps=0", "--fsdp.activation_checkpointing=true"]
 
 
@@ -91,7 +91,7 @@ def _worker(argv: list) -> None:
         for key in ("dspark_loss", "dspark_confidence_loss", "dspark_accuracy", "dspark_grad_norm"):
             assert math.isfinite(on[key]) and key not in off, (key, on)
         assert on["dspark_loss"] > 0 and on["dspark_grad_norm"] > 0
-    # measured: 12.89, 12.41, 12.18 (the stages learn; every update sees other rows)
+    # measured: 12.89, then 12.41 (the stages learn; each update sees other rows)
     assert runs["on"][-1]["dspark_loss"] < runs["on"][0]["dspark_loss"] - 0.3, runs["on"]
     dist.barrier()
     dist.destroy_process_group()
