@@ -161,13 +161,22 @@ def test_left_padding_gives_the_right_padded_loss(model, batch):
     assert float(left_out.dspark_loss) == pytest.approx(float(right_out.dspark_loss), rel=1e-5)
 
 
-def test_direct_call_returns_the_drafted_logits(model, batch):
+def test_direct_call_returns_the_drafted_logits_and_scores_a_hit(model, batch):
     with torch.no_grad():
         hidden = model(batch["input_ids"], attention_mask=batch["attention_mask"], output_dspark_hidden=True).dspark_hidden
         loss, (logits, confidence, target) = dspark_stage_loss(model, hidden, batch["input_ids"], batch["labels"],
                                                                batch["attention_mask"], return_logits=True)
-    assert logits.dtype == confidence.dtype == torch.float32 and logits.shape == (74, model.config.text_config.vocab_size)
-    assert float(loss.draft) == pytest.approx(float(torch.nn.functional.cross_entropy(logits, target, reduction="sum")))
+        assert logits.dtype == confidence.dtype == torch.float32 and logits.shape == (74, model.config.text_config.vocab_size)
+        assert float(loss.draft) == pytest.approx(float(torch.nn.functional.cross_entropy(logits, target, reduction="sum")))
+        # one label, at column 2: drafted once (anchor 0, output 0); made the draft's own argmax, it is a hit and
+        # the confidence is trained towards 1: BCE = softplus(-confidence)
+        ids, labels = batch["input_ids"][:1], torch.full_like(batch["input_ids"][:1], -100)
+        labels[0, 2] = ids[0, 2]
+        _, (logits, confidence, _) = dspark_stage_loss(model, hidden[:1], ids, labels, return_logits=True)
+        labels[0, 2] = logits[0].argmax()
+        hit, (_, again, _) = dspark_stage_loss(model, hidden[:1], ids, labels, return_logits=True)
+    assert int(hit.count) == 1 and float(hit.correct) == 1.0 and torch.equal(again, confidence)
+    assert float(hit.confidence) == pytest.approx(float(torch.nn.functional.softplus(-confidence[0])), rel=1e-6)
 
 
 def test_hf_trainer_trains_the_stages_with_gradient_checkpointing(model, batch, tmp_path):
