@@ -80,7 +80,13 @@ def test_loss_equals_the_drafting_forward_with_cross_entropy_by_hand(model, batc
     assert count == int(draft_count(batch["labels"], batch["attention_mask"], B)) == 40 + 34
     with torch.no_grad():
         out = with_weight(model, 0.25)(**batch)
+        # transformers' gradient accumulation (num_items_in_batch: the labels of all micro-batches): the stages'
+        # mean is weighted by this micro-batch's share of them, like the LM loss's sum
+        accumulated = model(**batch, num_items_in_batch=100)
     with_weight(model, 0.0)
+    labelled = int((batch["labels"][:, 1:] != -100).sum())
+    assert float(accumulated.loss) == pytest.approx(float(out.lm_loss) * labelled / 100
+                                                    + 0.25 * (ce + bce) / count * labelled / 100, rel=1e-6)
     assert int(out.dspark_positions) == count
     # measured: rel. 2e-9 (draft CE), 1.0e-7 (BCE) against the per-anchor drafting path in fp32; gate 1e-6 (10x)
     assert float(out.dspark_loss) * count == pytest.approx(ce, rel=1e-6)

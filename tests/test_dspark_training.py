@@ -24,7 +24,7 @@ def test_two_gloo_ranks_train_the_stages_and_leave_the_backbone_as_it_was(tmp_pa
     """Every rank: the stages' experts EP-sharded (2 of 4 per rank), the stage metrics in the records, finite and
     beside the main loss, the stage loss falling; the main loss and the backbone's gradient norm equal the
     switch-off run's bit for bit (the stages read detached inputs and are clipped on their own); the stages'
-    weights moved, and the export holds them."""
+    weights moved, the training checkpoint restores them and the export holds them."""
     from deepseek_v41.training.tiny_checkpoint import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", **DSPARK)
@@ -68,7 +68,13 @@ def _worker(argv: list) -> None:
     import torch
     import torch.distributed as dist
 
+    from torch.distributed.tensor import DTensor
+
+    from deepseek_v41.training.checkpointing import verify_folder
     from deepseek_v41.training.loop import Trainer
+
+    def local(p):
+        return p.to_local() if isinstance(p, DTensor) else p
     from deepseek_v41.training.recipe import load_recipe, parse_overrides
 
     overrides = parse_overrides(argv[1:])
@@ -76,7 +82,8 @@ def _worker(argv: list) -> None:
     for name, weight in (("off", 0.0), ("on", 0.5)):
         out = overrides["output_dir"]
         recipe = load_recipe(argv[0], {**overrides, "output_dir": f"{out}/{name}", "model.dspark_loss_weight": weight,
-                                       "checkpoint.export_dir": f"{out}/{name}/model" if weight else None})
+                                       "checkpoint.export_dir": f"{out}/{name}/model" if weight else None,
+                                       "checkpoint.save_every_steps": 2 if weight else 0})
         trainer = Trainer(recipe)
         stages = getattr(trainer.model, "mtp", None)
         before = [p.detach().clone() for p in trainer.stage_params] if stages is not None else []
@@ -84,6 +91,14 @@ def _worker(argv: list) -> None:
         if weight:
             assert len(stages) == 3 and stages[0].ffn.experts.w1.shape[0] == 2  # 4 experts over EP 2
             assert all(not torch.equal(b, p.detach()) for b, p in zip(before, trainer.stage_params))
+            # the training checkpoint holds the stages: wiped, they come back from it bit for bit
+            trained = [local(p).clone() for p in trainer.stage_params]
+            with torch.no_grad():
+                for p in trainer.stage_params:
+                    local(p).zero_()
+            folder = Path(recipe["output_dir"]) / "checkpoints" / "step_00000002"
+            trainer.checkpointer.load(folder, verify_folder(folder))
+            assert all(torch.equal(t, local(p)) for t, p in zip(trained, trainer.stage_params))
         else:
             assert stages is None and not trainer.stage_params
     for off, on in zip(runs["off"], runs["on"], strict=True):
