@@ -7,6 +7,10 @@ ranks instead (EP experts, filled by the all-to-all backward and, with ``ep_shar
 reduce-scatter over ``ep_shard``; Engram rows, filled by all-to-all backward; replicated ``attn_sink`` after
 its all-reduce) are divided by ``W`` exactly once, before clipping.
 
+With ``model.dspark_loss_weight`` = w > 0 the DSpark draft stages train too (``dspark_loss.py``): their loss is
+normalized the same way over the global batch's drafted positions, weighted by w, and their gradients are clipped
+apart from the backbone's, whose updates and logged ``loss`` / ``grad_norm`` are then exactly those of a run without.
+
 Validation scores every ending of each validation example (``score_choices``): the validation loss is the CE of
 the gold endings (summed over their tokens, divided by their count, like the training loss), the accuracy the
 share of examples whose gold ending has the highest mean log-likelihood per token (HellaSwag multiple choice).
@@ -167,9 +171,9 @@ class Trainer:
         counts = torch.stack([supervised_count(b) for b in batches])
         global_count = self._all_sum(counts.sum()).clamp(min=1)
         tokens = self._all_sum(sum(b["attention_mask"].sum() for b in batches))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.dspark_weight:
             return self._gradients_with_dspark(batches, global_count, tokens)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in batches:
             summed, _ = self._forward(batch)
             (summed * (self.world / global_count.float())).backward()
