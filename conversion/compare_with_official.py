@@ -631,7 +631,8 @@ def run_ours_whole(checkpoint_dir: Path, ids: torch.Tensor, device) -> torch.Ten
 
     import deepseek_v41  # noqa: F401  (registers the Auto classes)
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.bfloat16, device=device)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.bfloat16, device=device,
+                                                 dequantize_base_checkpoint=True)
     return model(input_ids=ids.to(device)).logits.float().cpu()
 
 

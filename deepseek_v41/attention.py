@@ -18,6 +18,7 @@ new token per row, each row at its own position) reads it: the window ring, the 
 import torch
 from torch import nn
 
+from .kept import KeptFp8Linear
 from .layers import Fp32Linear, FrozenLinear, is_plain_linear, make_fp32_linear, make_linear, make_rms_norm
 from .quantization import quant_ops
 from .rope import apply_rope, rope_cis, rope_frequencies
@@ -373,6 +374,8 @@ class Attention(nn.Module):
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         # o [n, groups, d] -> [n, groups·o_lora]: group g through rows g·o_lora..(g+1)·o_lora of wo_a
+        if isinstance(self.wo_a, KeptFp8Linear):  # the release's FP8 wo_a, held as stored (kept.py)
+            return self.wo_a.grouped_forward(o, self.o_groups)
         if is_plain_linear(self.wo_a):
             wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1).to(o.dtype)
             if torch.compiler.is_compiling():  # Dynamo takes no strided out=: the same product, then token-major

@@ -493,6 +493,52 @@ class ReleasedCheckpoint:
         for start in range(rows.start, rows.stop, step):
             yield slice(start, min(start + step, rows.stop))
 
+    def read_stored(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scale) of quantized tensor `name` as stored (checked like `copy_stored`)."""
+        t = self.tensors[name]
+        codes, scale = self.read_raw(t.record), self.read_raw(t.scale)
+        self._check_stored(t, 0, codes, None)
+        self._check_stored(t, 0, None, scale)
+        return codes, scale
+
+    def copy_stored(self, name: str, target: torch.Tensor, scale_target: torch.Tensor) -> None:
+        """Copy quantized tensor `name`'s codes and scale, as stored, into `target` / `scale_target` (kept formats),
+        row block by row block (LOAD_BLOCK_BYTES each): nothing is decoded."""
+        t = self.tensors[name]
+        for record, into in ((t.record, target), (t.scale, scale_target)):
+            step = max(1, LOAD_BLOCK_BYTES // max(1, record.row_bytes))
+            for start in range(0, record.shape[0], step):
+                rows = slice(start, min(start + step, record.shape[0]))
+                value = self.read_raw(record, rows)
+                self._check_stored(t, start, *((value, None) if record is t.record else (None, value)))
+                into[rows].view(torch.uint8 if value.element_size() == 1 else value.dtype).copy_(
+                    value.view(torch.uint8) if value.element_size() == 1 else value)
+
+    def _check_stored(self, t: StoredTensor, first_row: int, codes: torch.Tensor | None,
+                      scale: torch.Tensor | None) -> None:
+        # the NaNs a stored block can hold, found without decoding: an FP8 NaN code (E4M3 S.1111.111), a UE8M0
+        # NaN byte 255, a negative or non-finite F32 scale
+        if not self.check_finite:
+            return
+        if codes is not None and t.fmt != "fp4":
+            bad = (codes.view(torch.uint8) & 0x7F) == 0x7F
+            what = "the NaN FP8 code {:#04x} at code"
+            values = codes.view(torch.uint8)
+        elif scale is not None and scale.dtype == torch.float8_e8m0fnu:
+            bad, what, values = scale.view(torch.uint8) == 255, "the NaN UE8M0 scale byte {:#04x} at scale", scale.view(torch.uint8)
+        elif scale is not None:
+            bad, what, values = ~((scale >= 0) & (scale < torch.inf)), "the F32 scale {} at scale", scale
+        else:
+            return
+        if not bool(bad.any()):
+            return
+        local = bad.nonzero()[0].tolist()
+        value = values[tuple(local)].item()
+        raise CheckpointError(
+            f"tensor {t.name!r} in {t.where} holds {what.format(value)} element {[first_row + local[0], *local[1:]]}: "
+            "the checkpoint is corrupted, re-download or re-export it (to skip this check on a trusted checkpoint: "
+            f"check_finite=False or {CHECK_FINITE_ENV}=0)")
+
     def as_row_blocks(self, name: str, dtype: torch.dtype | None = None) -> RowBlocks:
         """Tensor `name` decoded to `dtype` lazily, row block by row block (for streaming exports)."""
         t = self.tensors[name]
@@ -649,10 +695,12 @@ class _Assignment:
     released: str
     target_name: str
     expert: int | None
+    kept: bool = False  # the stored codes and scale are copied as they are (kept formats), not decoded
+    table: bool = False  # an Engram table handed, as stored, to its module's load_kept_table
 
 
 def _plan(
-    model: torch.nn.Module, checkpoint: ReleasedCheckpoint, strict: bool
+    model: torch.nn.Module, checkpoint: ReleasedCheckpoint, strict: bool, dequantize: bool = True
 ) -> tuple[dict[str, torch.Tensor], list[_Assignment], LoadReport]:
     # Match released names to model tensors and check shapes and dtypes; reads no tensor data.
     check_model_config(model, checkpoint)
@@ -663,6 +711,8 @@ def _plan(
         if _MODEL_EXPERT.match(target_name):
             for expert in range(target.shape[0]):
                 expected[model_to_released_name(target_name, expert)] = (target_name, expert)
+        elif target_name.endswith(".scale") and target_name.removesuffix(".scale") + ".weight" in targets:
+            continue  # a kept tensor's scale: loaded with its weight
         else:
             expected[target_name] = (target_name, None)
     has_stages = any(name.startswith(SKIPPED_PREFIXES) for name in expected)
@@ -675,6 +725,9 @@ def _plan(
         report.missing.extend(missing)
     plan = []
     for name, stored in checkpoint.tensors.items():
+        if stored.fmt == "fp8_rows" and not dequantize and not _held_dequantized(model, name):
+            plan.append(_Assignment(name, name.removesuffix(".embed.weight"), None, kept=True, table=True))
+            continue
         if name not in expected:
             if name.startswith(SKIPPED_PREFIXES) and not has_stages:
                 report.skipped.append(name)
@@ -686,8 +739,18 @@ def _plan(
             continue
         target_name, expert = expected[name]
         target = targets[target_name]
-        shape = tuple(target.shape[1:] if expert is not None else target.shape)
         label = f"{target_name!r}" + (f"[{expert}]" if expert is not None else "")
+        if _kept_target(target):
+            _check_kept(stored, target, targets.get(scale_name(target_name)), label)
+            plan.append(_Assignment(name, target_name, expert, kept=True))
+            continue
+        if stored.fmt != "plain" and not dequantize and not _held_dequantized(model, name):
+            raise CheckpointError(
+                f"model parameter {label} is {target.dtype} but {name!r} in {stored.where} is stored quantized "
+                f"({stored.record.dtype}): to keep the stored formats, build the model's kept modules first "
+                "(deepseek_v41.kept.keep_release_formats on the meta-device model, as from_pretrained does), or "
+                "load with dequantize_base_checkpoint=True")
+        shape = tuple(target.shape[1:] if expert is not None else target.shape)
         if stored.shape != shape:
             raise CheckpointError(f"tensor {name!r} in {stored.where} has shape {list(stored.shape)} but model "
                                   f"parameter {label} needs {list(shape)}")
@@ -699,6 +762,35 @@ def _plan(
         logger.info("skipping %d released tensors of the DSpark draft stages (mtp.*): the model is built without "
                     "them (num_nextn_predict_layers 0)", len(report.skipped))
     return targets, plan, report
+
+
+def _kept_target(target: torch.Tensor) -> bool:
+    # a kept (stored-format) code tensor: FP8 E4M3 codes or packed FP4 bytes
+    return target.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8)
+
+
+def _held_dequantized(model: torch.nn.Module, name: str) -> bool:
+    from .kept import held_dequantized
+
+    return held_dequantized(model, name)
+
+
+def _check_kept(stored: StoredTensor, target: torch.Tensor, scale: torch.Tensor | None, label: str) -> None:
+    # a kept target takes the stored codes and scale as they are: same dtypes, same shapes
+    if stored.fmt == "plain":
+        raise CheckpointError(f"model tensor {label} holds {target.dtype} codes (kept release format) but "
+                              f"{stored.name!r} in {stored.where} is stored unquantized ({stored.record.dtype}): "
+                              "load this checkpoint into a model without kept formats (dequantize_base_checkpoint=True)")
+    pairs = [(stored.record, target, label)]
+    if scale is None:
+        raise CheckpointError(f"model tensor {label} holds {target.dtype} codes but has no scale tensor next to it")
+    pairs.append((stored.scale, scale, f"{label} scale"))
+    for record, tensor, what in pairs:
+        dtype = SAFETENSORS_DTYPES[record.dtype]
+        if dtype != tensor.dtype or tuple(record.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"tensor {record.name!r} in {record.file} is {record.dtype}{list(record.shape)} "
+                                  f"but the kept model tensor {what} is {tensor.dtype}{list(tensor.shape)}: the model "
+                                  "was built for another checkpoint (build it from this one's config)")
 
 
 def check_checkpoint_matches_model(
@@ -716,7 +808,7 @@ def check_checkpoint_matches_model(
 @torch.no_grad()
 def load_checkpoint_into_model(
     model: torch.nn.Module,
-    path: str | os.PathLike,
+    path: str | os.PathLike | ReleasedCheckpoint,
     *,
     strict: bool = True,
     dequantize_base_checkpoint: bool = True,
@@ -730,17 +822,21 @@ def load_checkpoint_into_model(
     at a few row blocks. The model may be built on the meta device and `to_empty`'d first. `mtp.*`
     (DSpark draft stages) load into the model's stages, or are skipped by a model built without them; with
     strict=False missing/unexpected tensors are only reported.
-    `check_finite` (default: on, or `DEEPSEEK_V41_CHECK_FINITE`) checks every decoded block finite;
-    `verify_checksums` (default: on, or `DEEPSEEK_V41_VERIFY_CHECKSUMS`) compares each shard with the checksum
-    its index records (exports of ours), before the first tensor is read from it.
+    `dequantize_base_checkpoint=False` keeps the stored formats: FP8/FP4 codes and their scales are copied, row
+    block by row block, into the kept modules that `kept.keep_release_formats` put in the meta-device model
+    (a floating-point target of a quantized tensor is refused, except the Engram parts `kept.held_dequantized`
+    names); an Engram module with `load_kept_table` receives its table's codes and scales as stored.
+    `check_finite` (default: on, or `DEEPSEEK_V41_CHECK_FINITE`) checks every decoded block finite (kept codes:
+    no NaN FP8 code, no NaN UE8M0 scale); `verify_checksums` (default: on, or `DEEPSEEK_V41_VERIFY_CHECKSUMS`)
+    compares each shard with the checksum its index records (exports of ours), before the first tensor is read.
+    `path` may be an opened `ReleasedCheckpoint` (its own check/verify settings then apply).
     """
-    checkpoint = ReleasedCheckpoint(path, check_finite=check_finite, verify_checksums=verify_checksums)
-    if checkpoint.is_quantized and not dequantize_base_checkpoint:
-        raise NotImplementedError("training on the quantized FP8/FP4 weights is not supported: load with "
-                                  "dequantize_base_checkpoint=True (weights are decoded exactly to floating point)")
-    targets, plan, report = _plan(model, checkpoint, strict)
+    checkpoint = path if isinstance(path, ReleasedCheckpoint) else ReleasedCheckpoint(
+        path, check_finite=check_finite, verify_checksums=verify_checksums)
+    dequantize = dequantize_base_checkpoint or not checkpoint.is_quantized
+    targets, plan, report = _plan(model, checkpoint, strict, dequantize)
     for assignment in plan:
-        if targets[assignment.target_name].is_meta:
+        if not assignment.table and targets[assignment.target_name].is_meta:
             raise CheckpointError(f"model parameter {assignment.target_name!r} is on the meta device: call "
                                   "model.to_empty(device=...) before loading the checkpoint")
     by_file = defaultdict(list)
@@ -751,11 +847,22 @@ def load_checkpoint_into_model(
         for number, file in enumerate(sorted(by_file), start=1):
             bar.set_postfix_str(f"shard {number}/{len(by_file)}")
             for assignment in by_file[file]:
-                target = targets[assignment.target_name]
-                view = target[assignment.expert] if assignment.expert is not None else target
-                _load_one(checkpoint, assignment.released, view)
+                stored = checkpoint.tensors[assignment.released]
+                if assignment.table:
+                    codes, scale = checkpoint.read_stored(assignment.released)
+                    model.get_submodule(assignment.target_name).load_kept_table(codes, scale)
+                elif assignment.kept:
+                    target = targets[assignment.target_name]
+                    scale = targets[scale_name(assignment.target_name)]
+                    if assignment.expert is not None:
+                        target, scale = target[assignment.expert], scale[assignment.expert]
+                    checkpoint.copy_stored(assignment.released, target, scale)
+                else:
+                    target = targets[assignment.target_name]
+                    view = target[assignment.expert] if assignment.expert is not None else target
+                    _load_one(checkpoint, assignment.released, view)
                 report.loaded.append(assignment.released)
-                bar.update(_stored_bytes(checkpoint.tensors[assignment.released]))
+                bar.update(_stored_bytes(stored))
     return report
 
 

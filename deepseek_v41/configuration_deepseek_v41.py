@@ -76,6 +76,7 @@ class DeepseekV41TextConfig(PretrainedConfig):
         engram_head_dim=256,
         engram_pad_token_id=2,
         engram_compressed_vocab_size=99092,
+        engram_device=None,
         num_nextn_predict_layers=3,
         dspark_block_size=5,
         dspark_noise_token_id=128799,
@@ -154,6 +155,9 @@ class DeepseekV41TextConfig(PretrainedConfig):
         self.engram_head_dim = engram_head_dim
         self.engram_pad_token_id = engram_pad_token_id
         self.engram_compressed_vocab_size = engram_compressed_vocab_size
+        # None: each Engram table on its block's device; "cpu": in host memory, its rows copied to the block's
+        # device at each forward (engram_host.py).  A placement, like device_map: from_pretrained(engram_device=)
+        self.engram_device = str(engram_device) if isinstance(engram_device, torch.device) else engram_device
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.dspark_block_size = dspark_block_size
         self.dspark_noise_token_id = dspark_noise_token_id
@@ -273,7 +277,7 @@ class DeepseekV41Config(PretrainedConfig):
         pad_token_id=2,
         image_token_id=None,
         backend=None,
-        dequantize_base_checkpoint=True,
+        dequantize_base_checkpoint=None,
         tie_word_embeddings=False,
         **kwargs,
     ):
@@ -404,6 +408,8 @@ def _check_text(c, p="text_config.") -> None:
     _need(len(c.engram_num_embeddings) == len(c.engram_layer_ids), p + "engram_num_embeddings",
           c.engram_num_embeddings, f"needs one table size per engram_layer_ids entry ({c.engram_layer_ids}); "
           "leave it out to take each table's size from its hash primes")
+    _need(c.engram_device in (None, "cpu"), p + "engram_device", c.engram_device,
+          "use None (each table on its block's device) or 'cpu' (tables in host memory, rows copied per forward)")
     _need(_is_int(c.candidate_source_layer_id) and c.candidate_source_layer_id >= -1, p + "candidate_source_layer_id",
           c.candidate_source_layer_id, "must be a layer index or -1 (none)")
     yarn = c.rope_scaling
@@ -459,8 +465,10 @@ def check_config_values(config, dtype=None) -> None:
     names = ("float32", "bfloat16", "float16", "float64")
     _need(dtype in (None, "auto") or dtype in names or (isinstance(dtype, torch.dtype) and dtype.is_floating_point),
           "dtype", dtype, f"use one of {list(names)} (or 'auto')")
-    _need(isinstance(config.dequantize_base_checkpoint, bool), "dequantize_base_checkpoint",
-          config.dequantize_base_checkpoint, "must be true or false")
+    _need(config.dequantize_base_checkpoint is None or isinstance(config.dequantize_base_checkpoint, bool),
+          "dequantize_base_checkpoint", config.dequantize_base_checkpoint,
+          "must be true (decode FP8/FP4 to floating point), false (keep them) or null (keep them when the checkpoint "
+          "is quantized)")
     vocab = config.text_config.vocab_size
     # Checked whenever it is set (a saved config is read by other code too: processors, serving engines); unset
     # (None) is allowed only without a vision tower, which never places it.

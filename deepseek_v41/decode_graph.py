@@ -52,6 +52,8 @@ def unusable_reason(model, cache, input_ids: torch.Tensor) -> str | None:
         return "gradients are enabled: a captured step runs under torch.no_grad() or torch.inference_mode()"
     if isinstance(cache.graph, str):
         return cache.graph
+    if any(getattr(module, "held_on_host", False) for module in model.modules()):
+        return "the Engram tables are in host memory (engram_device='cpu'): each step gathers its rows on the host"
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
         return f"the model is spread over {len(devices)} devices"

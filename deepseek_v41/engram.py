@@ -3,7 +3,9 @@
 Runs on the stream state before its block.  Hash ids come from ``engram_hashing`` (precomputed by the data
 loader, or computed here from ``input_ids``); their constants (tokenizer compression map, multipliers,
 primes, offsets) are non-persistent buffers derived from the tokenizer and the config, restored exactly
-after meta-device materialization (``restore_derived_buffers``).
+after meta-device materialization (``restore_derived_buffers``).  The table (``embed``, an ``EngramTable``)
+can be held as the release stores it (FP8 rows, ``load_kept_table``) and/or in host memory
+(``text_config.engram_device="cpu"``): see ``engram_host.py``.
 """
 
 from pathlib import Path
@@ -18,6 +20,7 @@ from .engram_hashing import (
     engram_offsets,
     engram_primes,
 )
+from .engram_host import EngramTable, PrefetchedRows
 from .layers import make_linear
 
 GATE_CLAMP = 1e-6  # |score| is clamped to at least this before its square root
@@ -28,12 +31,12 @@ class Engram(nn.Module):
         super().__init__()
         self.layer = layer
         self.hc, self.dim = config.hc_mult, config.hidden_size
-        self.max_ngram = config.engram_max_ngram_size
+        self.max_ngram, self.n_heads = config.engram_max_ngram_size, config.engram_n_heads
         self.pad_id = config.engram_pad_token_id
         self.map_size = config.engram_compressed_vocab_size  # = cmap.max() + 1, checked by engram_constants
         self.eps = config.rms_norm_eps
         cols = (self.max_ngram - 1) * config.engram_n_heads
-        self.embed = nn.Embedding(rows, config.engram_head_dim)
+        self.embed = EngramTable(rows, config.engram_head_dim, on_host=getattr(config, "engram_device", None) == "cpu")
         self.wkv = make_linear(cols * config.engram_head_dim, (self.hc + 1) * self.dim, backend)
         # Only the product q_weight * k_weight is used; both are kept to match the released tensors.
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim))
@@ -60,10 +63,32 @@ class Engram(nn.Module):
             max_ngram_size=self.max_ngram, pad_id=self.pad_id, image_mask=image_mask, map_size=self.map_size,
         )
 
-    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-        # x [b, s, hc, dim] streams, hash_ids [b, s, cols] -> [b, s, hc, dim]
-        rows = self.embed(hash_ids) if self.table_lookup is None else self.table_lookup(hash_ids)
-        kv = self.wkv(rows.flatten(2).to(self.wkv.weight.dtype))  # [b, s, (hc + 1) * dim]
+    def hash_on_host(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        # ``hash`` with the constants' host copies: input_ids [b, s] on the host -> rows [b, s, cols] there
+        d = self._derived
+        return engram_hash(
+            input_ids, d["cmap"], d["multipliers"], d["primes"], d["offsets"],
+            max_ngram_size=self.max_ngram, pad_id=self.pad_id, image_mask=image_mask, map_size=self.map_size,
+        )
+
+    def load_kept_table(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """The table as the release stores it (the kept-format loader's hook): see ``EngramTable.load_kept_table``."""
+        self.embed.load_kept_table(codes, scale)
+
+    def keep_table_format(self, scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> None:
+        """On the meta-device model, before materialization: hold the table as stored (``EngramTable.keep_format``)."""
+        self.embed.keep_format(scale_dtype)
+
+    def forward(self, x: torch.Tensor, hash_ids, image_mask: torch.Tensor | None) -> torch.Tensor:
+        # x [b, s, hc, dim] streams, hash_ids [b, s, cols] (or this forward's PrefetchedRows) -> [b, s, hc, dim]
+        if isinstance(hash_ids, PrefetchedRows):
+            rows = hash_ids.wait()
+        else:
+            rows = self.embed(hash_ids) if self.table_lookup is None else self.table_lookup(hash_ids)
+        dtype = self.wkv.weight.dtype
+        if dtype.itemsize == 1:  # a kept FP8 wkv: its input is the activation dtype, the rows'
+            dtype = rows.dtype
+        kv = self.wkv(rows.flatten(2).to(dtype))  # [b, s, (hc + 1) * dim]
         return self.gate(x, kv, self.q_weight, self.k_weight, self.eps, image_mask)
 
 

@@ -185,10 +185,21 @@ def plan_items(sources: Iterable[TensorSource], quantize: str | None) -> list[_I
         raise ExportError(f"quantize={quantize!r} is not a known export format; use None (floating point, as "
                           "trained) or 'release' (the released FP8/FP4 format)")
     items, seen = [], set()
+    sources = list(sources)
+    given = {source.name for source in sources}
     for source in sources:
         if source.dtype in _QUANTIZED_TORCH_DTYPES:
-            raise NotImplementedError(f"tensor {source.name!r} is {source.dtype}: re-exporting stored codes is "
-                                      "not supported; export floating-point parameters")
+            # a kept model's stored codes and scales (kept.py): written as held, byte for byte
+            weight = source.name.removesuffix(".scale") + ".weight"
+            if not (source.name.endswith(".scale") and weight in given or scale_name(source.name) in given):
+                raise NotImplementedError(f"tensor {source.name!r} is {source.dtype} without a scale tensor next to "
+                                          "it: only released FP8/FP4 codes with their scales (a kept model's) are "
+                                          "written as stored; export floating-point parameters")
+            if source.name in seen:
+                raise ValueError(f"tensor {source.name!r} is given twice")
+            seen.add(source.name)
+            items.append(_Item(source.name, source, None, "plain", source.dtype))
+            continue
         stacked = _MODEL_EXPERT.match(source.name) and len(source.shape) == 3
         names = ([(model_to_released_name(source.name, e), e) for e in range(source.shape[0])]
                  if stacked else [(source.name, None)])

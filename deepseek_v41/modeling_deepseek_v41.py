@@ -26,10 +26,12 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .attention import Attention, CSA2State, check_attention_memory
 from .backends import check_available
 from .cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
-from .configuration_deepseek_v41 import DeepseekV41Config
+from .configuration_deepseek_v41 import DeepseekV41Config, check_config_values
 from .dspark import build_stages, dspark_stage_count
 from .dspark_loss import check_dspark_training, dspark_batch_loss, dspark_loss_weight
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
+from .engram_host import HOST, prefetch_engram_rows
+from .kept import KeptTensor, is_kept, keep_release_formats
 from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
 from .moe import MoE, RoutedExperts, Router
@@ -209,12 +211,18 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         cls, pretrained_model_name_or_path=None, *model_args, config=None, dtype="auto", backend=None, tokenizer=None,
         device=None, device_map=None, max_memory=None, revision=None, cache_dir=None, local_files_only=False,
         token=None, force_download=False, subfolder="", use_safetensors=None, low_cpu_mem_usage=None,
-        dequantize_base_checkpoint=None, adapter_kwargs=None, verify_checksums=None, **kwargs,
+        dequantize_base_checkpoint=None, adapter_kwargs=None, verify_checksums=None, engram_device=None, **kwargs,
     ):
-        """Load a released-format (FP8/FP4, dequantized here) or floating-point checkpoint.
+        """Load a released-format (FP8/FP4) or floating-point checkpoint.
 
         Builds the model on the meta device, materializes it on ``device`` / ``device_map`` and streams the
         shards straight into the parameters (always: ``low_cpu_mem_usage`` is accepted and changes nothing).
+        ``dequantize_base_checkpoint``: as transformers does for a checkpoint that carries a
+        ``quantization_config``, the released formats are kept by default (``None``, or ``False``): FP8 linears and
+        FP4 routed experts hold the snapshot's codes and scales (``kept.py``; FP8/FP4 GEMMs on sm_89+ GPUs, a
+        tile-by-tile decoding fallback elsewhere), for inference only. ``True`` decodes every weight exactly to
+        ``dtype`` (needed to train or fine-tune, and by the fp32 parity checks). A floating-point checkpoint loads
+        as it is either way.
         ``backend={"rms_norm": "torch", ...}`` overrides kernel backends (merged with the config's);
         ``tokenizer`` supplies Engram's tokenizer (default: the checkpoint folder's); ``dtype`` defaults to the
         config's.  ``device_map``: a device (``"cpu"``, ``"cuda:0"``, 0), ``"auto"`` / ``"balanced"`` /
@@ -224,13 +232,16 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         ``cache_dir``, ``local_files_only``, ``token``, ``force_download``.  ``verify_checksums`` (default: on,
         or ``DEEPSEEK_V41_VERIFY_CHECKSUMS``): an export of ours records each shard's checksum in its index, and
         a shard whose bytes changed is refused, named, before a tensor is read from it; ``False`` skips the reads.
+        ``engram_device="cpu"`` (sets ``text_config.engram_device``): the Engram tables stay in host memory whatever
+        ``device`` / ``device_map`` place, and each forward copies only the rows it needs to the GPU, overlapped
+        with the first blocks (``engram_host.py``); ``None`` keeps the config's (default: tables with their block).
         """
-        from .checkpoint import load_checkpoint_into_model
+        from .checkpoint import ReleasedCheckpoint, load_checkpoint_into_model
 
         if kwargs.get("quantization_config") is not None:
             raise NotImplementedError(
-                "quantization_config= is not supported: the released FP8/FP4 weights are dequantized while loading "
-                "(dequantize_base_checkpoint=True) and the model computes in bf16/fp32"
+                "quantization_config= is not supported: a released snapshot's FP8/FP4 weights are kept as stored "
+                "(the default) or decoded to floating point with dequantize_base_checkpoint=True"
             )
         for unsupported in ("tp_plan", "tp_size", "device_mesh", "pp_plan", "distributed_config", "proxies",
                             "offload_folder", "offload_state_dict"):
@@ -260,7 +271,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
                 f"from_pretrained got unexpected keyword arguments {sorted(kwargs)}: they are neither loading options "
                 "(dtype, device, device_map, max_memory, backend, tokenizer, revision, cache_dir, local_files_only, "
                 "token, force_download, subfolder, use_safetensors, low_cpu_mem_usage, dequantize_base_checkpoint, "
-                "verify_checksums) "
+                "verify_checksums, engram_device) "
                 "nor config fields"
             )
         config._name_or_path = str(path)
@@ -269,16 +280,21 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             config.backend = {**config.backend, **backend}
         if dequantize_base_checkpoint is not None:
             config.dequantize_base_checkpoint = dequantize_base_checkpoint
+        if engram_device is not None:
+            config.text_config.engram_device = engram_device
+            check_config_values(config.text_config)
         dtype = resolve_dtype(dtype, config)
+        checkpoint = ReleasedCheckpoint(path, verify_checksums=verify_checksums)
+        keep = checkpoint.is_quantized and config.dequantize_base_checkpoint is not True
         with torch.device("meta"), default_dtype(dtype):
             model = cls(config, *model_args, tokenizer=tokenizer)
+        if keep:  # before anything is allocated: no floating-point copy of a kept weight ever exists
+            keep_release_formats(model, checkpoint)
         placement = resolve_device_map(model, device if device_map is None else device_map, dtype, max_memory)
         materialize(model, placement)
         # The backbone (AutoModel) loads a causal-LM checkpoint without its head; nothing else may be left over.
-        report = load_checkpoint_into_model(
-            model, path, strict=cls._with_head, dequantize_base_checkpoint=config.dequantize_base_checkpoint,
-            verify_checksums=verify_checksums,
-        )
+        report = load_checkpoint_into_model(model, checkpoint, strict=cls._with_head,
+                                            dequantize_base_checkpoint=not keep)
         leftover = sorted(set(report.unexpected) - {"head.weight"}) + sorted(report.missing)
         if leftover:
             raise ValueError(f"checkpoint {path} does not match {cls.__name__}: missing/unexpected {leftover[:10]}")
@@ -301,7 +317,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
 
         ``quantize=None`` keeps the weights as held (fp32 islands stay fp32); ``quantize="release"`` re-encodes
         them to the released FP8/FP4/Engram format with its ``quantization_config`` (served unchanged by the
-        official code, vLLM and SGLang). ``state_dict`` (e.g. from transformers' Trainer) is written instead of
+        official code, vLLM and SGLang). A model loaded with its formats kept writes the released format: its
+        FP8/FP4 codes and scales byte for byte as loaded, with the snapshot's ``quantization_config``. ``state_dict`` (e.g. from transformers' Trainer) is written instead of
         the model's own tensors. ``save_peft_format`` / ``save_original_format`` change nothing here: the
         model's names already are the original checkpoint's.
         """
@@ -335,8 +352,13 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         if missing:
             logger.warning("save_pretrained: state_dict lacks %d of the model's tensors (%s...); the folder will "
                            "not load without them", len(missing), missing[:3])
+        kept = is_kept(self)
+        if kept:  # held in the released format: kept codes as they are, the rest as the release stores it
+            quantize = "release"
         config = export_config(self.config.to_dict(), architectures=[type(self).__name__],
                                dtype=self.embed.weight.dtype, auto_map=AUTO_MAP, quantize=quantize)
+        if kept and getattr(self.config, "quantization_config", None) is not None:
+            config["quantization_config"] = dict(self.config.quantization_config)  # the snapshot's, unchanged
         with tempfile.TemporaryDirectory() as scratch:  # Engram's tokenizer and the processor travel along
             files = remote_code_files() + support_files(self.config, self.engram_tokenizer, Path(scratch),
                                                         getattr(self, "generation_config", None))
@@ -457,6 +479,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         state = CSA2State(cache, lengths if cache is not None else None)
         hidden_states = [h] if output_hidden_states else None
         means = StreamMeans()  # the DSpark target layers' stream means, in layer order
+        engram_hash_ids = prefetch_engram_rows(  # host-memory tables: their rows start now, under the first blocks
+            self.layers, input_ids, image_mask,
+            {i.layer: engram_hash_ids_for(engram_hash_ids, i, self.config.text_config) for i in self.layers},
+        )
         for layer in self.layers:
             hash_ids = engram_hash_ids_for(engram_hash_ids, layer, self.config.text_config)
             if layer.hc_attn_fn.device != x.device:  # device_map spread the blocks over devices
@@ -1153,6 +1179,8 @@ def plan_device_map(model, plan: str, dtype, max_memory=None) -> dict:
 
     no_split = list(model._no_split_modules)
     special = {name: torch.float32 for name, t in model.named_parameters() if t.dtype == torch.float32}
+    # kept FP8/FP4 codes and their scales count at their stored size, not at ``dtype``'s
+    special.update({name: t.dtype for name, t in model.named_buffers() if isinstance(t, KeptTensor)})
     if plan == "sequential":
         max_memory = get_max_memory(max_memory)
     else:
@@ -1199,7 +1227,8 @@ def materialize(model, placement: dict) -> None:
             for name, tensor in table.items():
                 if tensor is None:
                     continue
-                empty = torch.empty_like(tensor, device=placement_of(prefix + name, placement))
+                device = HOST if getattr(module, "held_on_host", False) else placement_of(prefix + name, placement)
+                empty = torch.empty_like(tensor, device=device)
                 table[name] = nn.Parameter(empty, tensor.requires_grad) if table is module._parameters else empty
     for module in model.modules():
         if isinstance(module, Engram):

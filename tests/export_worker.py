@@ -38,7 +38,8 @@ def main(checkpoint: str, out: Path) -> None:
     mark("EXPORTED")
     if dist.get_rank() == 0:  # the same weights, whole in one process
         dtype = trainer.model.embed.weight.dtype
-        reference = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=dtype, tokenizer=trainer.tokenizer)
+        reference = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=dtype, tokenizer=trainer.tokenizer,
+                                                           dequantize_base_checkpoint=True)  # as the trainer loads
         reference.save_pretrained(out / "reference_fp")
         reference.save_pretrained(out / "reference_release", quantize="release")
         mark("REFERENCES SAVED")

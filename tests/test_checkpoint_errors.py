@@ -271,8 +271,9 @@ def test_meta_model_must_be_materialized_first(good):
         load_checkpoint_into_model(FakeModel(device="meta"), good)
 
 
-def test_quantized_training_is_not_supported(good):
-    with pytest.raises(NotImplementedError, match="dequantize_base_checkpoint=True"):
+def test_keeping_formats_needs_kept_modules(good):
+    # dequantize_base_checkpoint=False copies codes into kept modules (kept.py); floating-point targets are refused
+    with pytest.raises(CheckpointError, match=r"stored quantized.*keep_release_formats.*dequantize_base_checkpoint=True"):
         load_checkpoint_into_model(FakeModel(), good, dequantize_base_checkpoint=False)
 
 

@@ -20,7 +20,8 @@ B = 4  # the fixture's dspark_block_size
 
 @pytest.fixture(scope="module")
 def model():
-    return DeepseekV41ForCausalLM.from_pretrained(golden_dir(DSPARK_FIXTURE) / "snapshot", dtype=torch.float32)
+    return DeepseekV41ForCausalLM.from_pretrained(golden_dir(DSPARK_FIXTURE) / "snapshot", dtype=torch.float32,
+                                                 dequantize_base_checkpoint=True)
 
 
 @pytest.fixture(scope="module")

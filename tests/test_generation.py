@@ -56,7 +56,7 @@ def golden_ids(snapshot):
 def load(snapshot, dtype):
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
 
-    return DeepseekV41ForCausalLM.from_pretrained(snapshot, dtype=dtype)
+    return DeepseekV41ForCausalLM.from_pretrained(snapshot, dtype=dtype, dequantize_base_checkpoint=True)  # parity
 
 
 @pytest.fixture(scope="module")

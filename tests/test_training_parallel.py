@@ -227,7 +227,8 @@ def _model_case(checkpoint: str, out_dir: str, backend: str):
         stats = trainer.compute_gradients(0)
         grads = _full_gradients(trainer)
         if reference is None:  # one process, the whole global batch (both ranks' micro-batches)
-            reference = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, tokenizer=trainer.tokenizer)
+            reference = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, tokenizer=trainer.tokenizer,
+                                                               dequantize_base_checkpoint=True)  # trained: decoded
             reference.to(trainer.device)
             reference.train()
             total, count = 0.0, 0

@@ -58,7 +58,7 @@ def report(args):
     for fixture in sorted(p for p in args.golden.iterdir() if (p / "reference" / "golden.safetensors").is_file()):
         g = load_file(str(fixture / "reference" / "golden.safetensors"))
         for precision, dtype, tag in (("fp32", torch.float32, "bf16w_fp32"), ("bf16", torch.bfloat16, "bf16w_bf16")):
-            model = AutoModelForCausalLM.from_pretrained(fixture / "snapshot", dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(fixture / "snapshot", dtype=dtype, dequantize_base_checkpoint=True)
             with torch.no_grad():
                 logits = model(**model_inputs(g)).logits
             m = logits_metrics(reference_logits(g, tag, snapshot_head_weight(fixture / "snapshot")), logits)

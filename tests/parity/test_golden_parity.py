@@ -37,7 +37,7 @@ def golden(fixture):
 
 @functools.cache
 def load_model(fixture, dtype):
-    return AutoModelForCausalLM.from_pretrained(golden_dir(fixture) / "snapshot", dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(golden_dir(fixture) / "snapshot", dtype=dtype, dequantize_base_checkpoint=True)
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)

@@ -1,0 +1,398 @@
+"""Kept release formats on CPU (kept.py): a quantized snapshot loads with its FP8/FP4 codes and scales as stored,
+computes what the dequantizing load computes (the tile-by-tile fallback), saves back byte for byte and refuses
+what it cannot do.
+
+Reference throughout: the same snapshot loaded with ``dequantize_base_checkpoint=True`` (release_format.py's exact
+decode) and the snapshot's own stored bytes, read with ``ReleasedCheckpoint.read_raw``."""
+
+import functools
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import golden_dir
+from safetensors.torch import load_file, save_file
+
+from deepseek_v41 import DeepseekV41ForCausalLM
+from deepseek_v41 import kept as kept_module
+from deepseek_v41.checkpoint import (
+    CheckpointError,
+    ReleasedCheckpoint,
+    load_checkpoint_into_model,
+    scale_name,
+)
+from deepseek_v41.engram import Engram
+from deepseek_v41.kept import KeptFp4Experts, KeptFp8Linear, KeptTensor, held_dequantized, is_kept
+from deepseek_v41.parity import model_inputs
+
+
+def snapshot(fixture="v41_tiny_text"):
+    return golden_dir(fixture) / "snapshot"
+
+
+@functools.cache
+def load(fixture, dequantize, dtype=torch.bfloat16):
+    return DeepseekV41ForCausalLM.from_pretrained(snapshot(fixture), dtype=dtype,
+                                                  dequantize_base_checkpoint=dequantize)
+
+
+@functools.cache
+def golden(fixture):
+    return load_file(str(golden_dir(fixture) / "reference" / "golden.safetensors"))
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def quantized_tensors(fixture="v41_tiny_text"):
+    checkpoint = ReleasedCheckpoint(snapshot(fixture))
+    return checkpoint, [t for t in checkpoint.tensors.values() if t.fmt != "plain"]
+
+
+def test_default_keeps_a_quantized_snapshot():
+    model = load("v41_tiny_text", None)
+    assert is_kept(model) and model.config.dequantize_base_checkpoint is None
+    assert isinstance(model.layers[0].attn.wq_a, KeptFp8Linear)
+    assert isinstance(model.layers[0].ffn.experts, KeptFp4Experts)
+    assert model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[0].ffn.experts.w1.dtype == torch.int8
+    assert not is_kept(load("v41_tiny_text", True))
+    # no kept tensor is a parameter: optimizers, PEFT and model.dtype never see them
+    assert all(p.dtype in (torch.bfloat16, torch.float32) for p in model.parameters())
+
+
+@pytest.mark.parametrize("fixture", ["v41_tiny_text", "v41_tiny_vision"])
+def test_fallback_logits_equal_the_dequantizing_load(fixture, monkeypatch):
+    """The fallback decodes exactly and keeps each output's K-long dot product whole: the logits are the dequantized
+    model's bit for bit (the gate, rel <= 1e-6, is met with 0). Small tiles (32 rows) so every weight takes several;
+    every decode in the forward is one tile, never a whole weight."""
+    monkeypatch.setattr(kept_module, "TILE_BYTES", 2048)
+    decoded_rows = []
+    for name in ("decode_fp8_row_scaled", "decode_fp4_packed"):
+        real = getattr(kept_module, name)
+
+        def spy(codes, *args, real=real, **kwargs):
+            decoded_rows.append(codes.shape[0])
+            return real(codes, *args, **kwargs)
+
+        monkeypatch.setattr(kept_module, name, spy)
+    inputs = model_inputs(golden(fixture))
+    with torch.no_grad():
+        reference = load(fixture, True)(**inputs).logits
+        logits = load(fixture, None)(**inputs).logits
+    assert torch.equal(logits, reference), ((logits - reference).norm() / reference.norm()).item()
+    assert decoded_rows and max(decoded_rows) <= 32
+
+
+def test_wo_a_multiplies_unquantized_activations(monkeypatch):
+    """The official code decodes ``wo_a`` to bf16 and multiplies in bf16: the kept ``wo_a`` must never go through the
+    FP8 kernels (they round the activations to FP8), even where they are usable; its output equals the decoded
+    weight's bf16 product per group, bit for bit."""
+
+    class Kernels:
+        def fp8_linear(self, *args, **kwargs):
+            raise AssertionError("wo_a went through the FP8 GEMM (activations quantized)")
+
+    monkeypatch.setattr(kept_module, "quantized_kernels", lambda x: Kernels())
+    attn = load("v41_tiny_text", None).layers[0].attn
+    wo_a, groups = attn.wo_a, attn.o_groups
+    o = torch.randn(5, groups, wo_a.in_features, dtype=torch.bfloat16)
+    weight = load("v41_tiny_text", True).layers[0].attn.wo_a.weight  # the dequantizing load's bf16 [groups·r, d]
+    r = wo_a.out_features // groups
+    expected = torch.cat([o[:, g] @ weight[g * r:(g + 1) * r].t() for g in range(groups)], dim=-1)
+    with torch.no_grad():
+        assert torch.equal(wo_a.grouped_forward(o, groups), expected)
+
+
+def test_fallback_logits_equal_in_fp32():
+    ids = golden("v41_tiny_text")["input_ids"][:1, :32]
+    with torch.no_grad():
+        reference = load("v41_tiny_text", True, torch.float32)(ids).logits
+        logits = load("v41_tiny_text", None, torch.float32)(ids).logits
+    assert torch.equal(logits, reference)
+
+
+def test_state_dict_holds_the_snapshot_bytes_under_released_names():
+    checkpoint, tensors = quantized_tensors()
+    model = load("v41_tiny_text", None)
+    state = model.state_dict()
+    dequantized = set()
+    for t in tensors:
+        if held_dequantized(model, t.name):
+            dequantized.add(t.name)
+            assert state[t.name].dtype == torch.bfloat16
+            continue
+        for record in (t.record, t.scale):
+            assert raw_bytes(state[record.name]) == raw_bytes(checkpoint.read_raw(record)), record.name
+    # held dequantized: exactly the Engram parts, until Engram keeps its table (load_kept_table)
+    engram_parts = {t.name for t in tensors if ".engram." in t.name}
+    assert dequantized == (engram_parts if not hasattr(Engram, "load_kept_table") else set())
+    assert not any(".ffn.experts.w" in name for name in state)  # per-expert released names only
+
+
+def test_load_state_dict_takes_the_released_names():
+    model = load("v41_tiny_text", None)
+    experts = model.layers[3].ffn.experts
+    state = {k.removeprefix("layers.3.ffn.experts."): v.clone() for k, v in model.state_dict().items()
+             if k.startswith("layers.3.ffn.experts.")}
+    saved = experts.w2.clone()
+    try:
+        experts.w2.zero_()
+        experts.load_state_dict(state)
+        assert torch.equal(experts.w2, saved)
+    finally:
+        experts.w2.copy_(saved)
+
+
+def test_memory_is_the_snapshot_bytes():
+    """Parameter + buffer bytes of the kept model = the snapshot's tensor bytes, tensor by tensor, with two documented
+    exceptions held wider: the fp32 islands the release stores in BF16 (the head, the ratio-2 compressors: +0.6 % of
+    the released model, +46 % of this tiny one, whose 129k x 32 head is half its bytes) and the Engram parts held
+    dequantized (bf16, until Engram keeps its table: +1.4 % here)."""
+    from deepseek_v41.checkpoint import SAFETENSORS_DTYPES
+
+    checkpoint, _ = quantized_tensors()
+    model = load("v41_tiny_text", None)
+    state = model.state_dict()
+    stored = sum(r.nbytes for r in checkpoint.records.values())
+    islands = engram = 0  # extra bytes held
+    for name, record in checkpoint.records.items():
+        weight = name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name
+        if name not in state:  # the scale of an Engram part held dequantized
+            assert name.endswith(".scale") and held_dequantized(model, weight), name
+            engram -= record.nbytes
+            continue
+        held = state[name].numel() * state[name].element_size()
+        if state[name].dtype == SAFETENSORS_DTYPES[record.dtype]:
+            assert held == record.nbytes, name
+        elif held_dequantized(model, name):
+            engram += held - record.nbytes
+        else:
+            assert (state[name].dtype, record.dtype) == (torch.float32, "BF16"), name
+            islands += held - record.nbytes
+    assert len(state) == len(checkpoint.records) - sum(
+        1 for n in checkpoint.records if n.endswith(".scale") and n not in state)
+    weights = sum(v.numel() * v.element_size() for v in state.values())
+    assert weights == stored + islands + engram
+    assert abs(weights - islands - stored) <= 0.015 * stored
+    bf16_model = sum(v.numel() * v.element_size() for v in load("v41_tiny_text", True).state_dict().values())
+    assert bf16_model - weights > 1_000_000  # what keeping saves here (a tiny model: mostly bf16 embeddings)
+
+
+def test_kept_load_decodes_no_kept_tensor(monkeypatch):
+    """Loading kept copies codes: the only tensors decoded are the Engram parts held dequantized (row blocks)."""
+    decoded = []
+    real = ReleasedCheckpoint.decode
+
+    def spy(self, name, *args, **kwargs):
+        decoded.append(name)
+        return real(self, name, *args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an FP4 expert was decoded during a kept load")
+
+    monkeypatch.setattr(ReleasedCheckpoint, "decode", spy)
+    monkeypatch.setattr("deepseek_v41.checkpoint.decode_fp4_packed", refuse)
+    model = DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16)
+    _, tensors = quantized_tensors()
+    assert {n for n in decoded if n in {t.name for t in tensors}} == {
+        t.name for t in tensors if held_dequantized(model, t.name)}
+
+
+def test_save_pretrained_writes_the_snapshot_back(tmp_path):
+    checkpoint, _ = quantized_tensors()
+    model = load("v41_tiny_text", None)
+    model.save_pretrained(tmp_path / "out")
+    saved = ReleasedCheckpoint(tmp_path / "out")
+    assert set(saved.records) == set(checkpoint.records)
+    for name, record in checkpoint.records.items():
+        base = name.removesuffix(".scale").removesuffix(".weight") + ".weight"
+        if held_dequantized(model, base):
+            continue
+        assert saved.records[name].dtype == record.dtype, name
+        assert raw_bytes(saved.read_raw(saved.records[name])) == raw_bytes(checkpoint.read_raw(record)), name
+    for name, t in checkpoint.tensors.items():  # Engram parts held dequantized: re-encoded, the same values
+        if t.fmt != "plain" and held_dequantized(model, name):
+            assert saved.tensors[name].fmt == t.fmt and torch.equal(saved.decode(name), checkpoint.decode(name))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    released = json.loads((snapshot() / "config.json").read_text())
+    assert config["quantization_config"] == released["quantization_config"]
+    ids = golden("v41_tiny_text")["input_ids"][:1, :16]
+    with torch.no_grad():
+        again = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+        assert is_kept(again) and torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_greedy_generation_with_the_cache_equals_the_dequantized_model():
+    ids = golden("v41_tiny_text")["input_ids"][:1, :12]
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "use_cache": True}
+    with torch.no_grad():
+        reference = load("v41_tiny_text", True).generate(ids, **kwargs)
+        tokens = load("v41_tiny_text", None).generate(ids, **kwargs)
+    assert tokens.shape[1] == ids.shape[1] + 6 and torch.equal(tokens, reference)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Refusals
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_training_a_kept_model_is_refused():
+    model = load("v41_tiny_text", None)
+    ids = golden("v41_tiny_text")["input_ids"][:, :16]
+    model.train()
+    try:
+        with pytest.raises(RuntimeError, match=r"dequantize_base_checkpoint=True"):
+            model(ids, labels=ids).loss.backward()
+    finally:
+        model.eval()
+
+
+@pytest.mark.parametrize("tensor", ["fp8", "fp4", "scale"])
+def test_requires_grad_on_a_kept_tensor_is_refused(tensor):
+    model = load("v41_tiny_text", None)
+    target = {"fp8": model.layers[0].attn.wq_b.weight, "fp4": model.layers[0].ffn.experts.w1,
+              "scale": model.layers[0].attn.wq_b.scale}[tensor]
+    assert isinstance(target, KeptTensor)
+    with pytest.raises(RuntimeError, match=r"dequantize_base_checkpoint=True"):
+        target.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"dequantize_base_checkpoint=True"):
+        target.requires_grad = True
+    with pytest.raises(RuntimeError, match=r"dequantize_base_checkpoint=True"):
+        model.layers[0].attn.wq_b.requires_grad_(True)
+    assert not target.requires_grad
+
+
+def test_kept_tensors_survive_moves_casts_and_copies():
+    """Moves keep kept tensors KeptTensors; dtype casts of the model (to(bf16), float(), half()) leave their stored
+    dtypes alone (a float8 code cast to bf16 would hold the code's number, not the weight)."""
+    import copy
+
+    model = copy.deepcopy(load("v41_tiny_text", None)).to("cpu")
+    assert isinstance(model.layers[0].attn.wq_b.weight, KeptTensor)
+    assert isinstance(model.layers[0].ffn.experts.w2_scale, KeptTensor)
+    before = {n: raw_bytes(t) for n, t in model.named_buffers() if isinstance(t, KeptTensor)}
+    model.float().half().to(torch.bfloat16)
+    after = dict(model.named_buffers())
+    assert all(isinstance(after[n], KeptTensor) and raw_bytes(after[n]) == b for n, b in before.items())
+    assert model.embed.weight.dtype == torch.bfloat16 and model.layers[0].attn.wq_b.scale.dtype == torch.float8_e8m0fnu
+
+
+def test_peft_lora_on_a_kept_model_infers_and_refuses_training():
+    """Decided: LoRA adapters attach to the unquantized linears and run in inference; training them would
+    backpropagate through the kept weights, which is refused (load dequantized to train adapters)."""
+    peft = pytest.importorskip("peft")
+    import copy
+
+    model = copy.deepcopy(load("v41_tiny_text", None))
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    wrapped = [n for n, m in lora.named_modules() if hasattr(m, "lora_A")]
+    assert wrapped and not any(isinstance(m, (KeptFp8Linear, KeptFp4Experts)) for m in lora.modules()
+                               if hasattr(m, "lora_A"))
+    ids = golden("v41_tiny_text")["input_ids"][:1, :16]
+    with torch.no_grad():
+        assert torch.equal(lora.eval()(input_ids=ids).logits, load("v41_tiny_text", None)(ids).logits)
+    lora.train()
+    with pytest.raises(RuntimeError, match=r"dequantize_base_checkpoint=True"):
+        lora(input_ids=ids, labels=ids)
+
+
+def test_trainer_load_with_dequantize_false_is_refused():
+    from deepseek_v41.training.sharded_load import load_sharded_checkpoint
+
+    with pytest.raises(NotImplementedError, match="dequantize_base_checkpoint"):
+        load_sharded_checkpoint(torch.nn.Module(), snapshot(), dequantize=False)
+
+
+def test_a_missing_scale_refuses_to_load_kept(tmp_path):
+    folder = tmp_path / "snapshot"
+    shutil.copytree(snapshot(), folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    victim = scale_name("layers.2.attn.wq_b.weight")
+    shard = folder / index["weight_map"].pop(victim)
+    tensors = load_file(str(shard))
+    del tensors[victim]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"'layers\.2\.attn\.wq_b\.weight'.*scale 'layers\.2\.attn\.wq_b\.scale' is missing"):
+        DeepseekV41ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+
+
+def test_a_nan_scale_byte_is_refused_when_kept(tmp_path):
+    folder = tmp_path / "snapshot"
+    shutil.copytree(snapshot(), folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    victim = "layers.4.ffn.experts.3.w2.scale"
+    shard = folder / index["weight_map"][victim]
+    tensors = load_file(str(shard))
+    tensors[victim].view(torch.uint8)[5, 1] = 255
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'layers\.4\.ffn\.experts\.3\.w2\.weight'.*NaN UE8M0.*\[5, 1\]"):
+        DeepseekV41ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+
+
+def test_loading_kept_into_a_model_without_kept_modules_is_refused():
+    model = load("v41_tiny_text", True)
+    with pytest.raises(CheckpointError, match=r"keep_release_formats.*dequantize_base_checkpoint=True"):
+        load_checkpoint_into_model(model, snapshot(), dequantize_base_checkpoint=False)
+
+
+def test_engram_tables_go_to_load_kept_table(monkeypatch):
+    """The contract with Engram: in a kept load, a module with ``load_kept_table`` receives its table's codes
+    (float8 [rows, d]) and scales ([rows, d/32]) as stored; its ``wkv`` is then kept too."""
+    received = {}
+
+    def load_kept_table(self, codes, scale):
+        received[self.layer] = (codes, scale)
+
+    monkeypatch.setattr(Engram, "load_kept_table", load_kept_table, raising=False)
+    model = DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16)
+    checkpoint, _ = quantized_tensors()
+    assert sorted(received) == [1, 4]
+    for layer, (codes, scale) in received.items():
+        t = checkpoint.tensors[f"layers.{layer}.engram.embed.weight"]
+        assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu
+        assert raw_bytes(codes) == raw_bytes(checkpoint.read_raw(t.record))
+        assert raw_bytes(scale) == raw_bytes(checkpoint.read_raw(t.scale))
+        assert isinstance(model.layers[layer].engram.wkv, KeptFp8Linear)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Placement
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_device_map_counts_the_kept_bytes():
+    """accelerate's sizes of a kept meta-device model are its real bytes (FP8/FP4 codes and scales at their
+    size, not the model dtype's), so a max_memory just above the kept size places everything, which the bf16
+    size would not fit."""
+    from accelerate.utils import compute_module_sizes
+
+    from deepseek_v41.kept import keep_release_formats
+    from deepseek_v41.modeling_deepseek_v41 import KeptTensor as Kept
+    from deepseek_v41.modeling_deepseek_v41 import plan_device_map
+
+    config = load("v41_tiny_text", None).config
+    with torch.device("meta"):
+        meta = DeepseekV41ForCausalLM(config)
+        dense = sum(t.numel() * t.element_size() for t in [*meta.parameters(), *meta.buffers()])
+        keep_release_formats(meta, ReleasedCheckpoint(snapshot()))
+    actual = sum(t.numel() * t.element_size() for t in [*meta.parameters(), *meta.buffers()])
+    special = {n: torch.float32 for n, t in meta.named_parameters() if t.dtype == torch.float32}
+    special.update({n: t.dtype for n, t in meta.named_buffers() if isinstance(t, Kept)})
+    assert compute_module_sizes(meta, dtype=torch.bfloat16, special_dtypes=special)[""] <= actual
+    room = {"cpu": int(actual * 1.01), "disk": 10 * dense}
+    assert dense > room["cpu"]
+    assert set(plan_device_map(meta, "sequential", torch.bfloat16, room).values()) == {"cpu"}
+
+
+@pytest.mark.parametrize("device_map", [{"": "cpu"}, "auto"])
+def test_device_map_on_cpu(device_map):
+    kwargs = {"max_memory": {"cpu": 10**9}} if device_map == "auto" else {}
+    model = DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16, device_map=device_map, **kwargs)
+    assert is_kept(model) and set(model.hf_device_map.values()) == {"cpu"}
+    ids = golden("v41_tiny_text")["input_ids"][:1, :16]
+    with torch.no_grad():  # = the default kept load (= the dequantized model: test_fallback_logits_equal_...)
+        assert torch.equal(model(ids).logits, load("v41_tiny_text", None)(ids).logits)
