@@ -67,7 +67,6 @@ def test_recipe_switch_is_checked(tmp_path):
 def _worker(argv: list) -> None:
     import torch
     import torch.distributed as dist
-
     from torch.distributed.tensor import DTensor
 
     from deepseek_v41.training.checkpointing import verify_folder
