@@ -28,6 +28,7 @@ from .backends import check_available
 from .cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
 from .configuration_deepseek_v41 import DeepseekV41Config, check_config_values
 from .dspark import build_stages, dspark_stage_count
+from .dspark_loss import check_dspark_training, dspark_batch_loss, dspark_loss_weight
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
 from .engram_host import HOST, prefetch_engram_rows, stored_table_tensors, tables_left_out
 from .kept import KeptTensor, is_kept, keep_release_formats
@@ -50,6 +51,21 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
     "AutoModelForImageTextToText": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
 }
+
+
+class StreamMeans:
+    """What a forward's DSpark target blocks append their stream means to (``append``, then iterated in layer order).
+    Not a list: module hooks that rebuild a block's list and dataclass inputs around their tensors (FSDP2's
+    post-backward hook) would hand the next block a copy."""
+
+    def __init__(self):
+        self.means = []
+
+    def append(self, mean: torch.Tensor) -> None:
+        self.means.append(mean)
+
+    def __iter__(self):
+        return iter(self.means)
 
 
 class DeepseekV41Block(GradientCheckpointingLayer):
@@ -462,7 +478,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre[..., 0] = 1.0  # block 0 collapses with a one-hot pre-mix on stream 0
         state = CSA2State(cache, lengths if cache is not None else None)
         hidden_states = [h] if output_hidden_states else None
-        means = []  # the DSpark target layers' stream means, in layer order
+        means = StreamMeans()  # the DSpark target layers' stream means, in layer order
         engram_hash_ids = prefetch_engram_rows(  # host-memory tables: their rows start now, under the first blocks
             self.layers, input_ids, image_mask,
             {i.layer: engram_hash_ids_for(engram_hash_ids, i, self.config.text_config) for i in self.layers},
@@ -594,6 +610,14 @@ class DeepseekV41CausalLMOutput(CausalLMOutputWithPast):
 
     last_hidden_state: torch.Tensor | None = None
     dspark_hidden: torch.Tensor | None = None
+    # with text_config.dspark_loss_weight > 0 and labels (dspark_loss.py): loss = lm_loss + weight x (dspark_loss +
+    # dspark_confidence_loss), the stages' draft CE and confidence BCE, means over the dspark_positions drafted
+    # positions; dspark_accuracy: the share of drafts (argmax) equal to their target
+    lm_loss: torch.FloatTensor | None = None
+    dspark_loss: torch.FloatTensor | None = None
+    dspark_confidence_loss: torch.FloatTensor | None = None
+    dspark_accuracy: torch.FloatTensor | None = None
+    dspark_positions: torch.LongTensor | None = None
 
 
 class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
@@ -618,6 +642,10 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             )
         if labels is not None:
             check_targets(labels, self.config.text_config.vocab_size)  # a host sync, like the attention-mask check
+        dspark_weight = dspark_loss_weight(self.config) if labels is not None else 0.0
+        if dspark_weight:  # the DSpark stages' training loss (dspark_loss.py) reads the target layers' inputs
+            check_dspark_training(self)
+            kwargs["output_dspark_hidden"] = True
         backbone = super().forward(input_ids, attention_mask=attention_mask, **kwargs)
         hidden = backbone.last_hidden_state.to(self.head.weight.device)
         loss = None
@@ -638,10 +666,20 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
                 loss = total / (targets != IGNORE_INDEX).sum().clamp(min=1)
             else:
                 loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
+        extra = {}
+        if dspark_weight:  # loss = the LM loss (lm_loss) + weight x the stages' mean loss per drafted position
+            stage = dspark_batch_loss(self, backbone.dspark_hidden, input_ids, labels, attention_mask)
+            mean = stage.total / stage.count.clamp(min=1)
+            if num_items_in_batch is not None:  # gradient accumulation: this micro-batch's share of the labels
+                mean = mean * (targets != IGNORE_INDEX).sum() / torch.as_tensor(num_items_in_batch, device=mean.device)
+            n = stage.count.clamp(min=1)
+            extra = {"lm_loss": loss, "dspark_loss": stage.draft / n, "dspark_confidence_loss": stage.confidence / n,
+                     "dspark_accuracy": stage.correct / n, "dspark_positions": stage.count}
+            loss = loss + dspark_weight * mean
         output = with_cache(  # logits fp32 [b, s, vocab]
             DeepseekV41CausalLMOutput, returned_cache(backbone), loss=loss, logits=logits,
             hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state,
-            dspark_hidden=getattr(backbone, "dspark_hidden", None),
+            dspark_hidden=getattr(backbone, "dspark_hidden", None), **extra,
         )
         return output.to_tuple() if return_dict is False else output
 
