@@ -84,6 +84,7 @@ class DeepseekV41TextConfig(PretrainedConfig):
         dspark_markov_rank=256,
         dspark_n_routed_experts=128,
         dspark_num_experts_per_tok=3,
+        dspark_loss_weight=0.0,
         tie_word_embeddings=False,
         **kwargs,
     ):
@@ -166,6 +167,8 @@ class DeepseekV41TextConfig(PretrainedConfig):
         self.dspark_markov_rank = dspark_markov_rank
         self.dspark_n_routed_experts = dspark_n_routed_experts
         self.dspark_num_experts_per_tok = dspark_num_experts_per_tok
+        # training only: forward(labels=...) adds this times the DSpark stages' loss (dspark_loss.py); 0 = off
+        self.dspark_loss_weight = dspark_loss_weight
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         if self.engram_num_embeddings is None:
             self.engram_num_embeddings = _engram_table_rows(self)
@@ -385,7 +388,7 @@ def _check_text(c, p="text_config.") -> None:
           "hc_mult hc_sinkhorn_iters engram_max_ngram_size engram_vocab_size engram_n_heads engram_head_dim", 1)
     _ints(c, p, "n_shared_experts num_nextn_predict_layers engram_compressed_vocab_size", 0)
     _floats(c, p, "rms_norm_eps hc_eps rope_theta compress_rope_theta routed_scaling_factor gate_temp swiglu_limit", 0)
-    _floats(c, p, "initializer_range gate_bias_update_factor", 0, inclusive=True)
+    _floats(c, p, "initializer_range gate_bias_update_factor dspark_loss_weight", 0, inclusive=True)
     for name, value in _FIXED.items():
         _need(getattr(c, name) == value and type(getattr(c, name)) is type(value), p + name, getattr(c, name),
               f"V4.1 implements only {value!r}")

@@ -20,6 +20,7 @@ table. Two options change where and how the table is held:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -210,6 +211,35 @@ class EngramTable(nn.Embedding):
         offset, total = self._packed_layout(n)
         scale = packed[offset:total].view(n, -1).view(self.scale.dtype)
         return decode_rows(packed[: n * d].view(n, d), scale, self.compute_dtype)
+
+
+def stored_table_tensors(model: nn.Module) -> dict:
+    """{name: tensor} of the Engram tables' codes and scales held as stored (kept), for sizing at their own dtype."""
+    found = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, EngramTable) and module.kept:
+            found.update({f"{module_name}.{name}": t for name, t in module._buffers.items() if t is not None})
+    return found
+
+
+@contextlib.contextmanager
+def tables_left_out(model: nn.Module, host_only: bool = True):
+    """The Engram tables held in host memory (``held_on_host``; every Engram table with ``host_only=False``) taken
+    out of ``model``'s parameters and buffers while the block runs, then put back: what a device-map plan sizes and
+    places without them (they stay on the host, whatever the plan). Shared by ``from_pretrained``'s
+    ``plan_device_map`` and the inference planner, so both leave the same tables out."""
+    taken = []
+    for module in model.modules():
+        if isinstance(module, EngramTable) and (module.held_on_host or not host_only):
+            taken.append((module, dict(module._parameters), dict(module._buffers)))
+            module._parameters.clear()
+            module._buffers.clear()
+    try:
+        yield
+    finally:
+        for module, parameters, buffers in taken:
+            module._parameters.update(parameters)
+            module._buffers.update(buffers)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ counterpart here, and the loader then copies the stored bytes into them shard by
   ``w2`` [E, dim, inter/2] plus ``w1_scale`` ... [E, out, in/32], stacked for grouped GEMMs and shown in
   ``state_dict()`` under the released per-expert names ``...experts.{e}.w1.weight`` / ``.scale``.
 
-Engram tables (FP8 rows) are the Engram module's own business: the loader hands their codes and scales to
-``Engram.load_kept_table`` when the module has it, and keeps them (and the Engram ``wkv``, which the module
-casts its rows to) dequantized otherwise.
+Engram tables (FP8 rows) are held by the Engram module's ``EngramTable`` (``engram_host.py``): here they are
+put in the kept format too (``Engram.keep_table_format``, empty E4M3 codes and scales on the meta model, so no
+floating-point table is ever allocated) and the loader hands them their stored codes and scales
+(``Engram.load_kept_table``). An Engram module without those hooks keeps its table and ``wkv`` dequantized.
 
 Forward: on a CUDA GPU with FP8 (sm_89+), ``kernels_quantized.fp8_linear`` / ``fp4_grouped_experts`` compute on
 the stored formats. Elsewhere the fallback decodes one tile of weight rows at a time (all of K, ``TILE_BYTES`` of
@@ -30,6 +31,7 @@ import logging
 import torch
 from torch import nn
 
+from .engram_host import EngramTable
 from .moe import RoutedExperts, fused_weighted_swiglu, weighted_swiglu
 from .release_format import ceil_div, decode_fp4_packed, decode_fp8_row_scaled, take_rows
 
@@ -220,22 +222,21 @@ class KeptFp8Linear(_KeptModule):
     def grouped_forward(self, o: torch.Tensor, groups: int) -> torch.Tensor:
         """Block-diagonal product (attention's ``wo_a``): o [n, groups, d] -> [n, groups·r], group g through rows
         g·r..(g+1)·r. Each group's rows are whole scale blocks when r is a multiple of the block (the release:
-        r = 1024); otherwise every group goes through all rows and keeps its own block (the diagonal)."""
+        r = 1024); otherwise every group goes through all rows and keeps its own block (the diagonal).
+        Always the tile-by-tile product with unquantized activations: the official code decodes ``wo_a`` to bf16
+        at conversion and multiplies in bf16 (no FP8 activation rounding), so the FP8 GEMM kernels, which
+        quantize the activations, would depart from it."""
+        _refuse_training(self)
         r = self.out_features // groups
         if r % self.block[0]:
-            y = self(o).unflatten(-1, (groups, r))
+            y = fp8_linear_tiled(o, self.weight, self.scale, self.block).unflatten(-1, (groups, r))
             return y.diagonal(dim1=1, dim2=2).transpose(1, 2).flatten(1)
-        _refuse_training(self)
-        kernels = quantized_kernels(o)
         blocks = r // self.block[0]
         y = o.new_empty(o.shape[0], groups, r)
         for g in range(groups):
             weight = self.weight[g * r:(g + 1) * r]
             scale = self.scale[g * blocks:(g + 1) * blocks]
-            if kernels is not None and self.block == (32, 32):
-                y[:, g] = kernels.fp8_linear(o[:, g], weight, scale)
-            else:
-                y[:, g] = fp8_linear_tiled(o[:, g], weight, scale, self.block)
+            y[:, g] = fp8_linear_tiled(o[:, g], weight, scale, self.block)
         return y.view(o.shape[0], -1)
 
     def extra_repr(self) -> str:
@@ -327,14 +328,17 @@ def _stacked_expert_names(module, state_dict, prefix, *args) -> None:
 
 
 def is_kept(model: nn.Module) -> bool:
-    """Whether ``model`` holds kept (stored-format) weights."""
-    return any(isinstance(m, (KeptFp8Linear, KeptFp4Experts)) for m in model.modules())
+    """Whether ``model`` holds kept (stored-format) weights: FP8 linears (the Engram ``wkv`` among them), FP4
+    experts or Engram tables held as stored. Such a model saves in the released format and cannot be trained."""
+    return any(isinstance(m, (KeptFp8Linear, KeptFp4Experts)) or (isinstance(m, EngramTable) and m.kept)
+               for m in model.modules())
 
 
 def engram_keeps_formats(engram: nn.Module) -> bool:
-    """Whether an Engram module takes its table as stored (``load_kept_table``); until then its table and its
-    ``wkv`` (whose weight dtype it casts the looked-up rows to) stay dequantized in a kept model."""
-    return hasattr(engram, "load_kept_table")
+    """Whether an Engram module holds its table as stored (``keep_table_format`` before materialization,
+    ``load_kept_table`` at load); without both its table and its ``wkv`` (whose weight dtype it casts the
+    looked-up rows to) stay dequantized in a kept model."""
+    return hasattr(engram, "load_kept_table") and hasattr(engram, "keep_table_format")
 
 
 def held_dequantized(model: nn.Module, name: str) -> bool:
@@ -352,12 +356,25 @@ def held_dequantized(model: nn.Module, name: str) -> bool:
 
 def keep_release_formats(model: nn.Module, checkpoint) -> list[str]:
     """Replace, in the meta-device ``model`` before it is materialized, each module whose weight ``checkpoint``
-    (a ``ReleasedCheckpoint``) stores as FP8 blocks or packed FP4 experts by its kept counterpart, so no
-    floating-point copy of those weights is ever allocated. Returns the replaced module names."""
+    (a ``ReleasedCheckpoint``) stores as FP8 blocks or packed FP4 experts by its kept counterpart, and puts each
+    Engram table the checkpoint stores as FP8 rows in its stored format (``Engram.keep_table_format``), so no
+    floating-point copy of those weights is ever allocated. Returns the replaced (or re-held) module names."""
     modules = dict(model.named_modules())
     replaced, experts = [], {}
     for name, stored in checkpoint.tensors.items():
-        if stored.fmt == "fp8_block":
+        if stored.fmt == "fp8_rows":  # layers.{i}.engram.embed.weight
+            engram_name = name.removesuffix(".embed.weight")
+            engram = modules.get(engram_name)
+            if engram is None or held_dequantized(model, name):
+                continue  # not in this model (the strict plan names it), or an Engram without kept tables
+            table = engram.embed
+            if (table.num_embeddings, table.embedding_dim) != tuple(stored.shape):
+                raise ValueError(f"{engram_name}.embed [{table.num_embeddings}, {table.embedding_dim}] cannot hold "
+                                 f"the Engram table {name!r} {list(stored.shape)}: build the model from this "
+                                 "checkpoint's config")
+            engram.keep_table_format(_scale_dtype(stored))
+            replaced.append(engram_name + ".embed")
+        elif stored.fmt == "fp8_block":
             module_name = name.removesuffix(".weight")
             module = modules.get(module_name)
             if module is None or held_dequantized(model, name):

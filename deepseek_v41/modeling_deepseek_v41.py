@@ -28,8 +28,9 @@ from .backends import check_available
 from .cache_deepseek_v41 import DeepseekV41Cache, DeepseekV41StaticCache
 from .configuration_deepseek_v41 import DeepseekV41Config, check_config_values
 from .dspark import build_stages, dspark_stage_count
+from .dspark_loss import check_dspark_training, dspark_batch_loss, dspark_loss_weight
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
-from .engram_host import HOST, prefetch_engram_rows
+from .engram_host import HOST, prefetch_engram_rows, stored_table_tensors, tables_left_out
 from .kept import KeptTensor, is_kept, keep_release_formats
 from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
 from .mhc import mhc_ops
@@ -50,6 +51,21 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
     "AutoModelForImageTextToText": "modeling_deepseek_v41.DeepseekV41ForCausalLM",
 }
+
+
+class StreamMeans:
+    """What a forward's DSpark target blocks append their stream means to (``append``, then iterated in layer order).
+    Not a list: module hooks that rebuild a block's list and dataclass inputs around their tensors (FSDP2's
+    post-backward hook) would hand the next block a copy."""
+
+    def __init__(self):
+        self.means = []
+
+    def append(self, mean: torch.Tensor) -> None:
+        self.means.append(mean)
+
+    def __iter__(self):
+        return iter(self.means)
 
 
 class DeepseekV41Block(GradientCheckpointingLayer):
@@ -464,7 +480,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre[..., 0] = 1.0  # block 0 collapses with a one-hot pre-mix on stream 0
         state = CSA2State(cache, lengths if cache is not None else None)
         hidden_states = [h] if output_hidden_states else None
-        means = []  # the DSpark target layers' stream means, in layer order
+        means = StreamMeans()  # the DSpark target layers' stream means, in layer order
         engram_hash_ids = prefetch_engram_rows(  # host-memory tables: their rows start now, under the first blocks
             self.layers, input_ids, image_mask,
             {i.layer: engram_hash_ids_for(engram_hash_ids, i, self.config.text_config) for i in self.layers},
@@ -620,6 +636,14 @@ class DeepseekV41CausalLMOutput(CausalLMOutputWithPast):
 
     last_hidden_state: torch.Tensor | None = None
     dspark_hidden: torch.Tensor | None = None
+    # with text_config.dspark_loss_weight > 0 and labels (dspark_loss.py): loss = lm_loss + weight x (dspark_loss +
+    # dspark_confidence_loss), the stages' draft CE and confidence BCE, means over the dspark_positions drafted
+    # positions; dspark_accuracy: the share of drafts (argmax) equal to their target
+    lm_loss: torch.FloatTensor | None = None
+    dspark_loss: torch.FloatTensor | None = None
+    dspark_confidence_loss: torch.FloatTensor | None = None
+    dspark_accuracy: torch.FloatTensor | None = None
+    dspark_positions: torch.LongTensor | None = None
 
 
 class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
@@ -644,6 +668,10 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             )
         if labels is not None:
             check_targets(labels, self.config.text_config.vocab_size)  # a host sync, like the attention-mask check
+        dspark_weight = dspark_loss_weight(self.config) if labels is not None else 0.0
+        if dspark_weight:  # the DSpark stages' training loss (dspark_loss.py) reads the target layers' inputs
+            check_dspark_training(self)
+            kwargs["output_dspark_hidden"] = True
         backbone = super().forward(input_ids, attention_mask=attention_mask, **kwargs)
         hidden = backbone.last_hidden_state.to(self.head.weight.device)
         loss = None
@@ -664,10 +692,20 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
                 loss = total / (targets != IGNORE_INDEX).sum().clamp(min=1)
             else:
                 loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
+        extra = {}
+        if dspark_weight:  # loss = the LM loss (lm_loss) + weight x the stages' mean loss per drafted position
+            stage = dspark_batch_loss(self, backbone.dspark_hidden, input_ids, labels, attention_mask)
+            mean = stage.total / stage.count.clamp(min=1)
+            if num_items_in_batch is not None:  # gradient accumulation: this micro-batch's share of the labels
+                mean = mean * (targets != IGNORE_INDEX).sum() / torch.as_tensor(num_items_in_batch, device=mean.device)
+            n = stage.count.clamp(min=1)
+            extra = {"lm_loss": loss, "dspark_loss": stage.draft / n, "dspark_confidence_loss": stage.confidence / n,
+                     "dspark_accuracy": stage.correct / n, "dspark_positions": stage.count}
+            loss = loss + dspark_weight * mean
         output = with_cache(  # logits fp32 [b, s, vocab]
             DeepseekV41CausalLMOutput, returned_cache(backbone), loss=loss, logits=logits,
             hidden_states=backbone.hidden_states, last_hidden_state=backbone.last_hidden_state,
-            dspark_hidden=getattr(backbone, "dspark_hidden", None),
+            dspark_hidden=getattr(backbone, "dspark_hidden", None), **extra,
         )
         return output.to_tuple() if return_dict is False else output
 
@@ -1160,27 +1198,37 @@ def resolve_device_map(model, device_map, dtype, max_memory=None) -> dict:
     return placement
 
 
+def device_map_dtypes(model) -> dict:
+    """accelerate's ``special_dtypes`` for ``model``: the tensors whose bytes are not ``dtype``'s: the fp32 islands,
+    and the kept FP8/FP4 codes and scales (Engram tables' included), counted at their stored size."""
+    special = {name: torch.float32 for name, t in model.named_parameters() if t.dtype == torch.float32}
+    special.update({name: t.dtype for name, t in model.named_buffers() if isinstance(t, KeptTensor)})
+    special.update({name: t.dtype for name, t in stored_table_tensors(model).items()})
+    return special
+
+
 def plan_device_map(model, plan: str, dtype, max_memory=None) -> dict:
-    # accelerate's planner over the meta-device model, whole blocks per device, fp32 islands counted as fp32
+    # accelerate's planner over the meta-device model, whole blocks per device, every tensor at the bytes it will
+    # hold; Engram tables held in host memory (engram_device="cpu") are left out: they take no device's memory
+    # (materialize allocates them on the host whatever the plan), as the inference planner assumes
     try:  # (in a try block, transformers' remote-code import check does not demand accelerate of every export)
         from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
     except ImportError as err:
         raise ImportError(f'device_map="{plan}" plans with the accelerate package: pip install accelerate') from err
 
     no_split = list(model._no_split_modules)
-    special = {name: torch.float32 for name, t in model.named_parameters() if t.dtype == torch.float32}
-    # kept FP8/FP4 codes and their scales count at their stored size, not at ``dtype``'s
-    special.update({name: t.dtype for name, t in model.named_buffers() if isinstance(t, KeptTensor)})
-    if plan == "sequential":
-        max_memory = get_max_memory(max_memory)
-    else:
-        max_memory = get_balanced_memory(
-            model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special,
-            low_zero=plan == "balanced_low_0",
+    with tables_left_out(model):
+        special = device_map_dtypes(model)
+        if plan == "sequential":
+            max_memory = get_max_memory(max_memory)
+        else:
+            max_memory = get_balanced_memory(
+                model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special,
+                low_zero=plan == "balanced_low_0",
+            )
+        device_map = infer_auto_device_map(
+            model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special
         )
-    device_map = infer_auto_device_map(
-        model, max_memory, no_split_module_classes=no_split, dtype=dtype, special_dtypes=special
-    )
     offloaded = sorted(k for k, v in device_map.items() if v in ("disk", "meta"))
     if offloaded:
         raise NotImplementedError(

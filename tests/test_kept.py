@@ -5,6 +5,7 @@ what it cannot do.
 Reference throughout: the same snapshot loaded with ``dequantize_base_checkpoint=True`` (release_format.py's exact
 decode) and the snapshot's own stored bytes, read with ``ReleasedCheckpoint.read_raw``."""
 
+import copy
 import functools
 import json
 import shutil
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from deepseek_v41 import DeepseekV41ForCausalLM
 from deepseek_v41 import kept as kept_module
 from deepseek_v41.checkpoint import (
+    SAFETENSORS_DTYPES,
     CheckpointError,
     ReleasedCheckpoint,
     load_checkpoint_into_model,
@@ -24,6 +26,7 @@ from deepseek_v41.checkpoint import (
 )
 from deepseek_v41.engram import Engram
 from deepseek_v41.kept import KeptFp4Experts, KeptFp8Linear, KeptTensor, held_dequantized, is_kept
+from deepseek_v41.modeling_deepseek_v41 import materialize
 from deepseek_v41.parity import model_inputs
 
 
@@ -32,9 +35,9 @@ def snapshot(fixture="v41_tiny_text"):
 
 
 @functools.cache
-def load(fixture, dequantize, dtype=torch.bfloat16):
+def load(fixture, dequantize, dtype=torch.bfloat16, engram_device=None):
     return DeepseekV41ForCausalLM.from_pretrained(snapshot(fixture), dtype=dtype,
-                                                  dequantize_base_checkpoint=dequantize)
+                                                  dequantize_base_checkpoint=dequantize, engram_device=engram_device)
 
 
 @functools.cache
@@ -57,17 +60,20 @@ def test_default_keeps_a_quantized_snapshot():
     assert isinstance(model.layers[0].attn.wq_a, KeptFp8Linear)
     assert isinstance(model.layers[0].ffn.experts, KeptFp4Experts)
     assert model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[1].engram.embed.kept and isinstance(model.layers[1].engram.wkv, KeptFp8Linear)
     assert model.layers[0].ffn.experts.w1.dtype == torch.int8
     assert not is_kept(load("v41_tiny_text", True))
     # no kept tensor is a parameter: optimizers, PEFT and model.dtype never see them
     assert all(p.dtype in (torch.bfloat16, torch.float32) for p in model.parameters())
 
 
-@pytest.mark.parametrize("fixture", ["v41_tiny_text", "v41_tiny_vision"])
-def test_fallback_logits_equal_the_dequantizing_load(fixture, monkeypatch):
+@pytest.mark.parametrize("fixture, engram_device", [("v41_tiny_text", None), ("v41_tiny_vision", None),
+                                                    ("v41_tiny_text", "cpu"), ("v41_tiny_vision", "cpu")])
+def test_fallback_logits_equal_the_dequantizing_load(fixture, engram_device, monkeypatch):
     """The fallback decodes exactly and keeps each output's K-long dot product whole: the logits are the dequantized
     model's bit for bit (the gate, rel <= 1e-6, is met with 0). Small tiles (32 rows) so every weight takes several;
-    every decode in the forward is one tile, never a whole weight."""
+    every decode in the forward is one tile, never a whole weight. With engram_device="cpu" the kept tables stay in
+    host memory and their rows come through the prefetch path: still bit for bit."""
     monkeypatch.setattr(kept_module, "TILE_BYTES", 2048)
     decoded_rows = []
     for name in ("decode_fp8_row_scaled", "decode_fp4_packed"):
@@ -81,9 +87,32 @@ def test_fallback_logits_equal_the_dequantizing_load(fixture, monkeypatch):
     inputs = model_inputs(golden(fixture))
     with torch.no_grad():
         reference = load(fixture, True)(**inputs).logits
-        logits = load(fixture, None)(**inputs).logits
+        model = load(fixture, None, engram_device=engram_device)
+        logits = model(**inputs).logits
+    tables = [layer.engram.embed for layer in model.layers if layer.engram is not None]
+    assert tables and all(t.kept and t.held_on_host == (engram_device == "cpu") for t in tables)
     assert torch.equal(logits, reference), ((logits - reference).norm() / reference.norm()).item()
     assert decoded_rows and max(decoded_rows) <= 32
+
+
+def test_wo_a_multiplies_unquantized_activations(monkeypatch):
+    """The official code decodes ``wo_a`` to bf16 and multiplies in bf16: the kept ``wo_a`` must never go through the
+    FP8 kernels (they round the activations to FP8), even where they are usable; its output equals the decoded
+    weight's bf16 product per group, bit for bit."""
+
+    class Kernels:
+        def fp8_linear(self, *args, **kwargs):
+            raise AssertionError("wo_a went through the FP8 GEMM (activations quantized)")
+
+    monkeypatch.setattr(kept_module, "quantized_kernels", lambda x: Kernels())
+    attn = load("v41_tiny_text", None).layers[0].attn
+    wo_a, groups = attn.wo_a, attn.o_groups
+    o = torch.randn(5, groups, wo_a.in_features, dtype=torch.bfloat16)
+    weight = load("v41_tiny_text", True).layers[0].attn.wo_a.weight  # the dequantizing load's bf16 [groups·r, d]
+    r = wo_a.out_features // groups
+    expected = torch.cat([o[:, g] @ weight[g * r:(g + 1) * r].t() for g in range(groups)], dim=-1)
+    with torch.no_grad():
+        assert torch.equal(wo_a.grouped_forward(o, groups), expected)
 
 
 def test_fallback_logits_equal_in_fp32():
@@ -98,17 +127,12 @@ def test_state_dict_holds_the_snapshot_bytes_under_released_names():
     checkpoint, tensors = quantized_tensors()
     model = load("v41_tiny_text", None)
     state = model.state_dict()
-    dequantized = set()
-    for t in tensors:
-        if held_dequantized(model, t.name):
-            dequantized.add(t.name)
-            assert state[t.name].dtype == torch.bfloat16
-            continue
+    assert {t.fmt for t in tensors} == {"fp8_block", "fp4", "fp8_rows"}  # Engram tables and wkv among them
+    for t in tensors:  # every one kept, none held dequantized
+        assert not held_dequantized(model, t.name), t.name
         for record in (t.record, t.scale):
+            assert state[record.name].dtype == SAFETENSORS_DTYPES[record.dtype], record.name
             assert raw_bytes(state[record.name]) == raw_bytes(checkpoint.read_raw(record)), record.name
-    # held dequantized: exactly the Engram parts, until Engram keeps its table (load_kept_table)
-    engram_parts = {t.name for t in tensors if ".engram." in t.name}
-    assert dequantized == (engram_parts if not hasattr(Engram, "load_kept_table") else set())
     assert not any(".ffn.experts.w" in name for name in state)  # per-expert released names only
 
 
@@ -127,42 +151,31 @@ def test_load_state_dict_takes_the_released_names():
 
 
 def test_memory_is_the_snapshot_bytes():
-    """Parameter + buffer bytes of the kept model = the snapshot's tensor bytes, tensor by tensor, with two documented
-    exceptions held wider: the fp32 islands the release stores in BF16 (the head, the ratio-2 compressors: +0.6 % of
-    the released model, +46 % of this tiny one, whose 129k x 32 head is half its bytes) and the Engram parts held
-    dequantized (bf16, until Engram keeps its table: +1.4 % here)."""
-    from deepseek_v41.checkpoint import SAFETENSORS_DTYPES
-
+    """Parameter + buffer bytes of the kept model = the snapshot's tensor bytes, tensor by tensor (Engram tables and
+    their scales included, at their stored size), with one documented exception held wider: the fp32 islands the
+    release stores in BF16 (the head, the ratio-2 compressors: +0.6 % of the released model, +46 % of this tiny one,
+    whose 129k x 32 head is half its bytes)."""
     checkpoint, _ = quantized_tensors()
     model = load("v41_tiny_text", None)
     state = model.state_dict()
+    assert set(state) == set(checkpoint.records)
     stored = sum(r.nbytes for r in checkpoint.records.values())
-    islands = engram = 0  # extra bytes held
+    islands = 0  # extra bytes held
     for name, record in checkpoint.records.items():
-        weight = name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name
-        if name not in state:  # the scale of an Engram part held dequantized
-            assert name.endswith(".scale") and held_dequantized(model, weight), name
-            engram -= record.nbytes
-            continue
         held = state[name].numel() * state[name].element_size()
         if state[name].dtype == SAFETENSORS_DTYPES[record.dtype]:
             assert held == record.nbytes, name
-        elif held_dequantized(model, name):
-            engram += held - record.nbytes
         else:
             assert (state[name].dtype, record.dtype) == (torch.float32, "BF16"), name
             islands += held - record.nbytes
-    assert len(state) == len(checkpoint.records) - sum(
-        1 for n in checkpoint.records if n.endswith(".scale") and n not in state)
     weights = sum(v.numel() * v.element_size() for v in state.values())
-    assert weights == stored + islands + engram
-    assert abs(weights - islands - stored) <= 0.015 * stored
+    assert weights == stored + islands
     bf16_model = sum(v.numel() * v.element_size() for v in load("v41_tiny_text", True).state_dict().values())
     assert bf16_model - weights > 1_000_000  # what keeping saves here (a tiny model: mostly bf16 embeddings)
 
 
 def test_kept_load_decodes_no_kept_tensor(monkeypatch):
-    """Loading kept copies codes: the only tensors decoded are the Engram parts held dequantized (row blocks)."""
+    """Loading kept copies codes: no quantized tensor is decoded (Engram tables and wkv included)."""
     decoded = []
     real = ReleasedCheckpoint.decode
 
@@ -175,27 +188,26 @@ def test_kept_load_decodes_no_kept_tensor(monkeypatch):
 
     monkeypatch.setattr(ReleasedCheckpoint, "decode", spy)
     monkeypatch.setattr("deepseek_v41.checkpoint.decode_fp4_packed", refuse)
-    model = DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16)
+    DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16)
     _, tensors = quantized_tensors()
-    assert {n for n in decoded if n in {t.name for t in tensors}} == {
-        t.name for t in tensors if held_dequantized(model, t.name)}
+    assert not {n for n in decoded if n in {t.name for t in tensors}}
 
 
-def test_save_pretrained_writes_the_snapshot_back(tmp_path):
+@pytest.mark.parametrize("engram_device", [None, "cpu"])
+def test_save_pretrained_writes_the_snapshot_back(tmp_path, engram_device):
+    """Every tensor of the snapshot is written back byte for byte under its name, dtype and shape: FP8/FP4 codes
+    and scales as held, the Engram tables (also from host memory) and their scales, the Engram wkv, and the plain
+    tensors (the fp32 islands narrowed back to the BF16 they were stored in, exactly); the config keeps the
+    snapshot's quantization_config."""
     checkpoint, _ = quantized_tensors()
-    model = load("v41_tiny_text", None)
+    model = load("v41_tiny_text", None, engram_device=engram_device)
     model.save_pretrained(tmp_path / "out")
     saved = ReleasedCheckpoint(tmp_path / "out")
     assert set(saved.records) == set(checkpoint.records)
     for name, record in checkpoint.records.items():
-        base = name.removesuffix(".scale").removesuffix(".weight") + ".weight"
-        if held_dequantized(model, base):
-            continue
-        assert saved.records[name].dtype == record.dtype, name
-        assert raw_bytes(saved.read_raw(saved.records[name])) == raw_bytes(checkpoint.read_raw(record)), name
-    for name, t in checkpoint.tensors.items():  # Engram parts held dequantized: re-encoded, the same values
-        if t.fmt != "plain" and held_dequantized(model, name):
-            assert saved.tensors[name].fmt == t.fmt and torch.equal(saved.decode(name), checkpoint.decode(name))
+        got = saved.records[name]
+        assert (got.dtype, list(got.shape)) == (record.dtype, list(record.shape)), name
+        assert raw_bytes(saved.read_raw(got)) == raw_bytes(checkpoint.read_raw(record)), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     released = json.loads((snapshot() / "config.json").read_text())
     assert config["quantization_config"] == released["quantization_config"]
@@ -248,8 +260,6 @@ def test_requires_grad_on_a_kept_tensor_is_refused(tensor):
 def test_kept_tensors_survive_moves_casts_and_copies():
     """Moves keep kept tensors KeptTensors; dtype casts of the model (to(bf16), float(), half()) leave their stored
     dtypes alone (a float8 code cast to bf16 would hold the code's number, not the weight)."""
-    import copy
-
     model = copy.deepcopy(load("v41_tiny_text", None)).to("cpu")
     assert isinstance(model.layers[0].attn.wq_b.weight, KeptTensor)
     assert isinstance(model.layers[0].ffn.experts.w2_scale, KeptTensor)
@@ -264,7 +274,6 @@ def test_peft_lora_on_a_kept_model_infers_and_refuses_training():
     """Decided: LoRA adapters attach to the unquantized linears and run in inference; training them would
     backpropagate through the kept weights, which is refused (load dequantized to train adapters)."""
     peft = pytest.importorskip("peft")
-    import copy
 
     model = copy.deepcopy(load("v41_tiny_text", None))
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
@@ -344,28 +353,117 @@ def test_engram_tables_go_to_load_kept_table(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 
 
+def meta_kept(engram_device=None):
+    """The tiny text model built on the meta device (engram_device as given) with its kept modules and Engram
+    tables put in the stored formats: what from_pretrained plans its device_map on."""
+    from deepseek_v41.kept import keep_release_formats
+
+    config = copy.deepcopy(load("v41_tiny_text", None).config)
+    config.text_config.engram_device = engram_device
+    with torch.device("meta"):
+        meta = DeepseekV41ForCausalLM(config, tokenizer=load("v41_tiny_text", None).engram_tokenizer)
+    keep_release_formats(meta, ReleasedCheckpoint(snapshot()))
+    return meta
+
+
 def test_device_map_counts_the_kept_bytes():
     """accelerate's sizes of a kept meta-device model are its real bytes (FP8/FP4 codes and scales at their
-    size, not the model dtype's), so a max_memory just above the kept size places everything, which the bf16
-    size would not fit."""
+    size, not the model dtype's; Engram tables and their scales at the stored bytes), so a max_memory just above
+    the kept size places everything, which the bf16 size would not fit."""
     from accelerate.utils import compute_module_sizes
 
-    from deepseek_v41.kept import keep_release_formats
-    from deepseek_v41.modeling_deepseek_v41 import KeptTensor as Kept
-    from deepseek_v41.modeling_deepseek_v41 import plan_device_map
+    from deepseek_v41.modeling_deepseek_v41 import device_map_dtypes, plan_device_map
 
     config = load("v41_tiny_text", None).config
     with torch.device("meta"):
-        meta = DeepseekV41ForCausalLM(config)
-        dense = sum(t.numel() * t.element_size() for t in [*meta.parameters(), *meta.buffers()])
-        keep_release_formats(meta, ReleasedCheckpoint(snapshot()))
+        dense = sum(t.numel() * t.element_size() for t in [*DeepseekV41ForCausalLM(config).parameters(),
+                                                            *DeepseekV41ForCausalLM(config).buffers()])
+    meta = meta_kept()
     actual = sum(t.numel() * t.element_size() for t in [*meta.parameters(), *meta.buffers()])
-    special = {n: torch.float32 for n, t in meta.named_parameters() if t.dtype == torch.float32}
-    special.update({n: t.dtype for n, t in meta.named_buffers() if isinstance(t, Kept)})
-    assert compute_module_sizes(meta, dtype=torch.bfloat16, special_dtypes=special)[""] <= actual
+    sizes = compute_module_sizes(meta, dtype=torch.bfloat16, special_dtypes=device_map_dtypes(meta))
+    assert sizes[""] <= actual
+    checkpoint = ReleasedCheckpoint(snapshot())
+    for layer in (1, 4):  # an Engram table: its stored codes and scales, byte for byte
+        t = checkpoint.tensors[f"layers.{layer}.engram.embed.weight"]
+        assert sizes[f"layers.{layer}.engram.embed"] == t.record.nbytes + t.scale.nbytes
     room = {"cpu": int(actual * 1.01), "disk": 10 * dense}
     assert dense > room["cpu"]
     assert set(plan_device_map(meta, "sequential", torch.bfloat16, room).values()) == {"cpu"}
+
+
+def test_device_map_leaves_host_engram_tables_out():
+    """With engram_device="cpu" the (kept) tables take no device's memory in from_pretrained's plan, as the inference
+    planner assumes: over two fake GPUs, the least room on device 0 that holds the whole model (the rest spills
+    onto device 1) is exactly the tables' stored bytes smaller when they are in host memory."""
+    from accelerate.utils import compute_module_sizes
+
+    from deepseek_v41.engram_host import tables_left_out
+    from deepseek_v41.modeling_deepseek_v41 import device_map_dtypes, plan_device_map
+
+    host, on_gpu = meta_kept("cpu"), meta_kept()
+    checkpoint = ReleasedCheckpoint(snapshot())
+    tables = sum(t.record.nbytes + t.scale.nbytes for t in checkpoint.tensors.values() if t.fmt == "fp8_rows")
+    with tables_left_out(host):
+        host_sizes = compute_module_sizes(host, dtype=torch.bfloat16, special_dtypes=device_map_dtypes(host))
+    gpu_sizes = compute_module_sizes(on_gpu, dtype=torch.bfloat16, special_dtypes=device_map_dtypes(on_gpu))
+    assert gpu_sizes[""] - host_sizes[""] == tables
+
+    def least_room(model) -> int:  # bisection on device 0's room (the plan is monotone in it)
+        low, high = 0, 2 * gpu_sizes[""]
+        while high - low > 1:
+            room = (low + high) // 2
+            plan = plan_device_map(model, "sequential", torch.bfloat16, {0: room, 1: 2 * gpu_sizes[""]})
+            low, high = (low, room) if set(plan.values()) == {0} else (room, high)
+        return high
+
+    assert least_room(on_gpu) - least_room(host) == tables
+    assert host.layers[1].engram.embed.weight.dtype == torch.float8_e4m3fn  # put back after planning
+    materialize(host, {"layers.0": torch.device("meta"), "": torch.device("meta")})  # meta stands in for a GPU
+    assert host.layers[1].engram.embed.weight.device.type == "cpu" and host.layers[1].attn.wq_a.weight.is_meta
+
+
+def test_a_kept_load_allocates_no_floating_point_engram_table():
+    """keep_release_formats puts the Engram tables in the stored format on the meta model: no tensor of a table's
+    shape in a floating-point dtype other than FP8 is ever created (watched at the dispatcher), whichever way the
+    model is materialized (one device, a device_map placing tensor by tensor, tables in host memory)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    checkpoint = ReleasedCheckpoint(snapshot())
+    shapes = {tuple(t.shape) for t in checkpoint.tensors.values() if t.fmt == "fp8_rows"}
+
+    created = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if (isinstance(t, torch.Tensor) and not t.is_meta and tuple(t.shape) in shapes
+                        and t.dtype.is_floating_point and t.dtype.itemsize > 1):
+                    created.append((str(func), t.dtype, tuple(t.shape)))
+            return out
+
+    for options in ({}, {"device_map": {"layers.1": "cpu", "": "cpu"}}, {"engram_device": "cpu"}):
+        with Watch():
+            model = DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16, **options)
+        assert model.layers[1].engram.embed.kept and not created, (options, created[:3])
+    # the watch sees such a table: the dequantizing load's
+    with Watch():
+        DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16, dequantize_base_checkpoint=True)
+    assert created
+
+
+def test_is_kept_counts_kept_engram_tables():
+    """A model whose only stored-format part is an Engram table is kept: it saves in the released format and refuses
+    training (the table's own refusal)."""
+    model = copy.deepcopy(load("v41_tiny_text", True))
+    assert not is_kept(model)
+    codes, scale = ReleasedCheckpoint(snapshot()).read_stored("layers.4.engram.embed.weight")
+    model.layers[4].engram.load_kept_table(codes, scale)
+    assert is_kept(model)
+    ids = golden("v41_tiny_text")["input_ids"][:1, :8]
+    model.train()
+    with pytest.raises(RuntimeError, match=r"dequantize_base_checkpoint=True"):
+        model(ids, labels=ids)
 
 
 @pytest.mark.parametrize("device_map", [{"": "cpu"}, "auto"])

@@ -149,10 +149,10 @@ def golden_ids(snapshot):
     return load_file(str(snapshot.parent / "reference" / "golden.safetensors"))["input_ids"]  # [2, 64]
 
 
-def load(snapshot, dtype):
+def load(snapshot, dtype, **options):
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM
 
-    return DeepseekV41ForCausalLM.from_pretrained(snapshot, dtype=dtype)
+    return DeepseekV41ForCausalLM.from_pretrained(snapshot, dtype=dtype, **options)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +163,13 @@ def model_fp32(snapshot):
 @pytest.fixture(scope="module")
 def model_bf16(snapshot):
     return load(snapshot, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def model_bf16_dequantized(snapshot):
+    # for the graph-replayability checks: the kept formats' CPU fallback decodes only the experts that got tokens,
+    # reading their counts on the host, so its step is not one a CUDA graph can replay; the dequantized model's is
+    return load(snapshot, torch.bfloat16, dequantize_base_checkpoint=True)
 
 
 def decode_logits(model, golden_ids, cache):
@@ -264,17 +271,18 @@ def step_ops(model, cache, token, record=True):
 
 @torch.no_grad()
 @pytest.mark.parametrize("static", [True, False])
-def test_static_decode_step_has_fixed_shapes_and_no_host_reads(model_bf16, golden_ids, static):
+def test_static_decode_step_has_fixed_shapes_and_no_host_reads(model_bf16_dequantized, golden_ids, static):
     # A step that a CUDA graph can replay: the same ops on the same shapes at every position (past the window, across
     # group completions, while rows see different numbers of entries), nothing read back, buffers written in place.
     # The growing cache is the counterpart: its step is sized by host-side counts, so its shapes change.
+    model = model_bf16_dequantized
     width = max(PROMPT_LENGTHS)
     _, ids, mask = ragged_batch(golden_ids, PROMPT_LENGTHS, width + DECODE_STEPS)
-    cache = DeepseekV41StaticCache(model_bf16.config, ids.shape[1]) if static else None
-    cache = returned_cache(model_bf16(ids[:, :width], attention_mask=mask[:, :width], use_cache=True, cache=cache))
+    cache = DeepseekV41StaticCache(model.config, ids.shape[1]) if static else None
+    cache = returned_cache(model(ids[:, :width], attention_mask=mask[:, :width], use_cache=True, cache=cache))
     buffers = [t.data_ptr() for layer in cache.layers for t in layer.tensors().values()]
     recorded = {0, 1, 2, DECODE_STEPS - 2, DECODE_STEPS - 1}  # the row at position 1 passes the window of 16
-    steps = [step_ops(model_bf16, cache, ids[:, t : t + 1], t - width in recorded) for t in range(width, ids.shape[1])]
+    steps = [step_ops(model, cache, ids[:, t : t + 1], t - width in recorded) for t in range(width, ids.shape[1])]
     steps = [steps[i] for i in sorted(recorded)]
     assert not any(step.reads for step in steps)
     changed = sum(step.ops != steps[0].ops for step in steps[1:])
@@ -286,22 +294,23 @@ def test_static_decode_step_has_fixed_shapes_and_no_host_reads(model_bf16, golde
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_static_decode_step_compiles_as_one_graph(model_bf16, golden_ids):
+def test_static_decode_step_compiles_as_one_graph(model_bf16_dequantized, golden_ids):
     # torch.compile(fullgraph=True) refuses a graph break: a host read or a data-dependent shape in the step would
     # fail here, as it would fail CUDA graph capture; error_on_recompile: one graph serves every position (fixed
     # shapes, dynamic=False).  AOTAutograd's graph (functionalized in-place cache writes included) runs the same ops
     # as the eager step; Inductor's kernels are the GPU tests' (decode_graph="compile").
+    model = model_bf16_dequantized
     torch._dynamo.reset()
     width = max(PROMPT_LENGTHS)
     _, ids, mask = ragged_batch(golden_ids, PROMPT_LENGTHS, width + 4)
-    caches = [DeepseekV41StaticCache(model_bf16.config, ids.shape[1]) for _ in range(2)]
+    caches = [DeepseekV41StaticCache(model.config, ids.shape[1]) for _ in range(2)]
     for cache in caches:
-        model_bf16(ids[:, :width], attention_mask=mask[:, :width], cache=cache)
-    compiled = torch.compile(model_bf16._decode_body, fullgraph=True, dynamic=False, backend="aot_eager")
+        model(ids[:, :width], attention_mask=mask[:, :width], cache=cache)
+    compiled = torch.compile(model._decode_body, fullgraph=True, dynamic=False, backend="aot_eager")
     with torch._dynamo.config.patch(error_on_recompile=True):
         for t in range(width, ids.shape[1]):
             token = ids[:, t : t + 1]
-            eager = model_bf16._decode_body(token, caches[0], head=True)
+            eager = model._decode_body(token, caches[0], head=True)
             graph = compiled(token, caches[1], head=True)
             assert torch.equal(eager[0], graph[0]) and torch.equal(eager[1], graph[1]), t
     for mine, theirs in zip(caches[0].layers, caches[1].layers):

@@ -74,8 +74,10 @@ def reference_losses(checkpoint, out, args, updates: int) -> list:
 
     recipe = load_recipe(FLAGSHIP, parse_overrides([*args[:-1], f"--output_dir={out}-reference"]))
     tokenizer = data_lib.load_tokenizer(recipe["tokenizer"]["path"], checkpoint)
+    # dequantized, as the trainer loads it (a kept model refuses a train-mode forward with autograd on)
     model = DeepseekV41ForCausalLM.from_pretrained(checkpoint, config=build_config(recipe, Path(checkpoint)),
-                                                   dtype=torch.bfloat16, tokenizer=tokenizer)
+                                                   dtype=torch.bfloat16, tokenizer=tokenizer,
+                                                   dequantize_base_checkpoint=True)
     model.train()
     world = OVERRIDES["distributed.ep_size"][0]
     losses = []

@@ -116,6 +116,7 @@ def export_model(trainer, out_dir, quantize=None) -> None:
     model = trainer.model
     config = export_config(model.config.to_dict(), architectures=["DeepseekV41ForCausalLM"],
                            dtype=model.embed.weight.dtype, auto_map=AUTO_MAP, quantize=quantize)
+    config["text_config"]["dspark_loss_weight"] = 0.0  # the run's training switch, not the exported model's
     writer = dist.get_rank() == WRITER
     sources = sharded_sources(trainer)
     # Every rank checks the rows it holds (no communication but one all-gather of the findings), so NaN/Inf

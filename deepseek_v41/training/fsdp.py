@@ -11,6 +11,10 @@ output or input casts, because mHC hands fp32 coefficients across module boundar
 * ``attn_norm``, ``ffn_norm``, ``engram`` (table excluded) and ``ffn`` (routed experts excluded): bf16;
 * the block itself: the fp32 mHC ``hc_*`` island.
 
+The DSpark draft stages (``mtp.*``, present when the recipe trains them: ``model.dspark_loss_weight``) are
+wrapped like blocks, their routed experts EP-sharded like the backbone's, plus their own modules
+(``shard_stage_extras``).
+
 At the root, ``embed`` and ``norm`` are bf16 units and the root unit holds only ``head.weight`` with
 ``MixedPrecisionPolicy(fp32, fp32, fp32)``: the fp32 LM head as its own unit (``lm_head_precision``).
 Engram tables (row owners) are ``ignored_params`` everywhere, and so are the routed experts (EP-sharded on
@@ -69,6 +73,24 @@ def shard_expert_block(experts: nn.Module, expert_mesh, fsdp_cfg: dict, policy: 
     experts.set_force_sum_reduction_for_comms(True)  # a plain SUM (no PREMUL_SUM: gloo has none)
 
 
+def trained_blocks(model: nn.Module) -> list:
+    """The backbone's blocks, then the DSpark stages when the model trains them (``model.dspark_loss_weight``)."""
+    return list(model.layers) + list(getattr(model, "mtp", []))
+
+
+def shard_stage_extras(stage: nn.Module, shard, policy: dict) -> None:
+    """A DSpark stage's own modules, dtype-pure units: ``main_proj``, ``main_norm``, ``norm`` and the Markov
+    embedding bf16; the Markov head's fp32 ``head`` and the confidence head fp32 islands.  Their forwards read
+    ``head.weight`` / ``proj.weight`` directly, so the unit is the head module itself.  A backbone block has none."""
+    for name in ("main_proj", "main_norm", "norm"):
+        if hasattr(stage, name):
+            shard(getattr(stage, name), mp_policy=policy["bf16"])
+    if hasattr(stage, "markov_head"):
+        shard(stage.markov_head.embed, mp_policy=policy["bf16"])
+        shard(stage.markov_head, mp_policy=policy["fp32"])
+        shard(stage.confidence_head, mp_policy=policy["fp32"])
+
+
 def parallelize(model: nn.Module, mesh, fsdp_cfg: dict, lm_head_precision: str, ignored: set,
                 expert_mesh=None) -> list:
     """Wrap ``model`` in place (meta or real); ``ignored`` = EP experts + Engram tables.
@@ -79,13 +101,14 @@ def parallelize(model: nn.Module, mesh, fsdp_cfg: dict, lm_head_precision: str, 
     Returns the replicated (non-FSDP, non-EP) parameters whose gradients need an all-reduce mean.
     """
     policy = _policies(fsdp_cfg, lm_head_precision)
-    replicated = [block.attn.attn_sink for block in model.layers]
+    blocks = trained_blocks(model)
+    replicated = [block.attn.attn_sink for block in blocks]
     # Every unit must skip all of them: a unit otherwise adopts any parameter of its subtree that no
     # inner unit manages (ignored by an inner unit does not mean ignored by the outer one).
     skip = set(ignored) | set(replicated)
     shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=fsdp_cfg["reshard_after_forward"],
                               ignored_params=skip)
-    for block in model.layers:
+    for block in blocks:
         if fsdp_cfg["activation_checkpointing"]:
             checkpoint_block(block)
         compressor = getattr(block.attn, "compressor", None)
@@ -103,6 +126,7 @@ def parallelize(model: nn.Module, mesh, fsdp_cfg: dict, lm_head_precision: str, 
         if block.engram is not None:
             shard(block.engram, mp_policy=policy["bf16"])
         shard(block.ffn, mp_policy=policy["bf16"])
+        shard_stage_extras(block, shard, policy)
         shard(block, mp_policy=policy["fp32"])
     shard(model.embed, mp_policy=policy["bf16"])
     shard(model.norm, mp_policy=policy["bf16"])

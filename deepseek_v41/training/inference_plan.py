@@ -160,21 +160,13 @@ def prepare_model(model, weights: str) -> dict:
     return table
 
 
-@contextlib.contextmanager
 def engram_tables_removed(model):
-    """The Engram tables taken out of ``model`` (what the device map then places), restored after."""
-    taken = []
-    for module_name, module in model.named_modules():
-        if module_name.endswith(".engram.embed"):
-            taken.append((module, dict(module._parameters), dict(module._buffers)))
-            module._parameters.clear()
-            module._buffers.pop("weight_scale", None)
-    try:
-        yield
-    finally:
-        for module, params, buffers in taken:
-            module._parameters.update(params)
-            module._buffers.update(buffers)
+    """The Engram tables taken out of ``model`` (what the device map then places), restored after: the helper
+    ``from_pretrained``'s ``plan_device_map`` uses for tables held in host memory, here for every table (the
+    planner's ``--engram cpu`` holds them all on the host), so both plans leave out the same tensors."""
+    from deepseek_v41.engram_host import tables_left_out
+
+    return tables_left_out(model, host_only=False)
 
 
 # ---- cache and activations ------------------------------------------------------------------------------------

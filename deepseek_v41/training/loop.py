@@ -7,6 +7,10 @@ ranks instead (EP experts, filled by the all-to-all backward and, with ``ep_shar
 reduce-scatter over ``ep_shard``; Engram rows, filled by all-to-all backward; replicated ``attn_sink`` after
 its all-reduce) are divided by ``W`` exactly once, before clipping.
 
+With ``model.dspark_loss_weight`` = w > 0 the DSpark draft stages train too (``dspark_loss.py``): their loss is
+normalized the same way over the global batch's drafted positions, weighted by w, and their gradients are clipped
+apart from the backbone's, whose updates and logged ``loss`` / ``grad_norm`` are then exactly those of a run without.
+
 Validation scores every ending of each validation example (``score_choices``): the validation loss is the CE of
 the gold endings (summed over their tokens, divided by their count, like the training loss), the accuracy the
 share of examples whose gold ending has the highest mean log-likelihood per token (HellaSwag multiple choice).
@@ -28,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from deepseek_v41.dspark_loss import draft_count
 from deepseek_v41.modeling_deepseek_v41 import causal_lm_targets
 from deepseek_v41.training import checkpointing
 from deepseek_v41.training import data as data_lib
@@ -38,7 +43,7 @@ from deepseek_v41.training.expert_parallel import (
     expert_global_mesh,
     routed_expert_modules,
 )
-from deepseek_v41.training.fsdp import parallelize
+from deepseek_v41.training.fsdp import parallelize, trained_blocks
 from deepseek_v41.training.model_setup import build_config, build_meta_model, check_checkpoint
 from deepseek_v41.training.optim import build_optimizer, clip_grad_norm_, describe_schedule, lr_at
 from deepseek_v41.training.plan import check_layout
@@ -66,12 +71,14 @@ class Trainer:
         self._build_model()
         self._build_data()
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
+        self.dspark_weight = recipe["model"]["dspark_loss_weight"]
+        self.params = [p for n, p in named if not n.startswith("mtp.")]  # the DSpark stages, when trained, apart
+        self.stage_params = [p for n, p in named if n.startswith("mtp.")]
         self.optimizer = build_optimizer(named, recipe["optimizer"], self.device.type)
         self.optimizer_impl = self.optimizer.impl  # what optimizer.impl resolved to (logs, checkpoints)
         decayed = sum(len(g["params"]) for g in self.optimizer.param_groups if g["weight_decay"])
         self._print(f"[finetune] optimizer {self.optimizer_impl}: weight decay on {decayed} of "
-                    f"{len(self.params)} parameter tensors")
+                    f"{len(named)} parameter tensors")
         self.wandb = _init_wandb(recipe) if self.rank == 0 and recipe["wandb"]["enable"] else None
         self.checkpointer = Checkpointer(self)
 
@@ -99,7 +106,7 @@ class Trainer:
         # to_empty may replace Parameter objects: collect the special groups again from their modules.
         self.expert_params = [p for m in routed_expert_modules(self.model) for p in m.parameters()]
         self.table_params = [m.embed.weight for m in engram_modules(self.model)]
-        self.replicated = [block.attn.attn_sink for block in self.model.layers]
+        self.replicated = [block.attn.attn_sink for block in trained_blocks(self.model)]
         load_sharded_checkpoint(self.model, self.path, dequantize=r["model"]["dequantize_base_checkpoint"])
         self.model.train()
 
@@ -164,6 +171,8 @@ class Trainer:
         counts = torch.stack([supervised_count(b) for b in batches])
         global_count = self._all_sum(counts.sum()).clamp(min=1)
         tokens = self._all_sum(sum(b["attention_mask"].sum() for b in batches))
+        if self.dspark_weight:
+            return self._gradients_with_dspark(batches, global_count, tokens)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in batches:
             summed, _ = self._forward(batch)
@@ -172,11 +181,36 @@ class Trainer:
         self._finish_gradients()
         return {"loss": float(self._all_sum(loss_sum) / global_count), "tokens": float(tokens)}
 
+    def _gradients_with_dspark(self, batches, global_count, tokens) -> dict:
+        """``compute_gradients`` with the DSpark stages' loss (``model.dspark_loss_weight`` = w): each rank
+        back-propagates ``lm_sum * W / global_count + w * stage_sum * W / global_drafted``, the stages' loss being
+        normalized over the drafted positions of the global batch as the LM loss is over its labels."""
+        block = self.model.config.text_config.dspark_block_size
+        drafted = self._all_sum(sum(draft_count(b["labels"], b["attention_mask"], block) for b in batches))
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # LM CE, draft CE, confidence BCE, correct
+        for batch in batches:
+            out = self.model(**batch)
+            summed = out.lm_loss * supervised_count(batch)
+            n = out.dspark_positions
+            draft, confidence = out.dspark_loss * n, out.dspark_confidence_loss * n
+            ((summed * (self.world / global_count.float()))
+             + (draft + confidence) * (self.dspark_weight * self.world / drafted.clamp(min=1).float())).backward()
+            sums += torch.stack([summed, draft, confidence, out.dspark_accuracy * n]).detach().double()
+        self._finish_gradients()
+        sums = self._all_sum(sums)
+        per = drafted.clamp(min=1)
+        return {"loss": float(sums[0] / global_count), "tokens": float(tokens), "dspark_loss": float(sums[1] / per),
+                "dspark_confidence_loss": float(sums[2] / per), "dspark_accuracy": float(sums[3] / per)}
+
     def train_step(self, update: int) -> dict:
         stats = self.compute_gradients(update)
         max_norm = self.recipe["clip_grad_norm"]["max_norm"]
+        max_norm = max_norm if max_norm else math.inf
         replicas = {p: self.world for p in self.replicated}  # experts: disjoint shards, each element counted once
-        grad_norm = clip_grad_norm_(self.params, max_norm if max_norm else math.inf, replicas=replicas)
+        # the DSpark stages are clipped on their own: their loss leaves the backbone's update exactly as without it
+        grad_norm = clip_grad_norm_(self.params, max_norm, replicas=replicas)
+        if self.dspark_weight:
+            stats["dspark_grad_norm"] = float(clip_grad_norm_(self.stage_params, max_norm, replicas=replicas))
         lr = lr_at(update, self.recipe["lr_scheduler"], self.recipe["optimizer"]["lr"])
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -258,6 +292,7 @@ class Trainer:
                 step = update + 1
                 record = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                           "tokens_per_s": stats["tokens"] / step_time}
+                record.update((k, v) for k, v in stats.items() if k.startswith("dspark_"))  # the stages' loss, if on
                 records.append(record)
                 self._emit(metrics, record)
                 if step % log_every == 0 or step == self.max_steps:
@@ -326,6 +361,8 @@ class Trainer:
         self._print(
             f"[{'#' * filled}{'.' * (width - filled)}] {step}/{total} | loss {record['loss']:.4f} | "
             f"grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+            + (f"dspark {record['dspark_loss']:.4f} (acc {record['dspark_accuracy']:.3f}) | " if "dspark_loss" in record
+               else "") +
             f"{record['tokens_per_s']:.0f} tok/s | {elapsed:.0f}s elapsed, eta {eta:.0f}s"
         )
 

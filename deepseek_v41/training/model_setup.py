@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from deepseek_v41.backends import resolve_backend
 from deepseek_v41.configuration_deepseek_v41 import DeepseekV41Config
+from deepseek_v41.dspark import dspark_stage_count
 from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
+from deepseek_v41.training.recipe import RecipeError
 
 
 def check_checkpoint(recipe: dict, rank: int, barrier: bool = True) -> Path:
@@ -78,12 +80,29 @@ def build_config(recipe: dict, path: Path) -> DeepseekV41Config:
     config = DeepseekV41Config.from_pretrained(path)
     _apply_overrides(config.text_config, cfg["text_config"], "text_config")
     _apply_overrides(config.vision_config, cfg["vision_config"], "vision_config")
-    # the DSpark draft stages are not fine-tuned here: the training model builds none (sharded_load skips mtp.*)
-    config.text_config.num_nextn_predict_layers = 0
+    set_dspark_training(config, recipe)
     config.text_config.validate_layout()
     config.backend = resolve_backend({**config.backend, **cfg["backend"]})
     config._name_or_path = str(cfg["name_or_path"] or path)
     return config
+
+
+def set_dspark_training(config: DeepseekV41Config, recipe: dict) -> None:
+    """``model.dspark_loss_weight`` 0: the training model builds no DSpark draft stages (sharded_load skips
+    ``mtp.*``); > 0: it keeps the checkpoint's stages and trains them beside the backbone (dspark_loss.py)."""
+    weight = recipe["model"]["dspark_loss_weight"]
+    if "dspark_loss_weight" in recipe["model"]["config"]["text_config"]:
+        raise RecipeError("model.config.text_config.dspark_loss_weight: set model.dspark_loss_weight instead (the "
+                          "recipe's switch for the DSpark stages' loss)")
+    text = config.text_config
+    if weight and not dspark_stage_count(text):
+        raise RecipeError(
+            f"model.dspark_loss_weight={weight} trains the DSpark draft stages, but the checkpoint's config has none "
+            f"(num_nextn_predict_layers {text.num_nextn_predict_layers}, dspark_block_size {text.dspark_block_size}"
+            "); use a checkpoint with mtp.* stages, or set model.dspark_loss_weight=0")
+    text.dspark_loss_weight = float(weight)
+    if not weight:
+        text.num_nextn_predict_layers = 0
 
 
 def build_meta_model(recipe: dict, path: Path, tokenizer) -> torch.nn.Module:

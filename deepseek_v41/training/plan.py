@@ -224,7 +224,8 @@ def load_config(recipe: dict):
     config, source = read_config(cfg["pretrained_model_name_or_path"])
     _apply_overrides(config.text_config, cfg["text_config"], "text_config")
     _apply_overrides(config.vision_config, cfg["vision_config"], "vision_config")
-    config.text_config.num_nextn_predict_layers = 0  # as model_setup.build_config: training builds no DSpark stages
+    if not recipe["model"]["dspark_loss_weight"]:  # as model_setup.build_config: no DSpark stages unless trained
+        config.text_config.num_nextn_predict_layers = 0
     return config, source
 
 

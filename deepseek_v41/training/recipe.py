@@ -34,6 +34,8 @@ DEFAULTS = {
         },
         "lm_head_precision": "float32",
         "dequantize_base_checkpoint": True,
+        # > 0: also train the DSpark draft stages (mtp.*), loss = LM loss + this x the stages' loss (dspark_loss.py)
+        "dspark_loss_weight": 0.0,
         # Create a tiny released-format checkpoint at the path when it is absent (CPU demo only).
         "make_tiny_checkpoint_if_missing": False,
     },
@@ -190,6 +192,7 @@ SCHEMA = {
     "model.config.dtype": _enum(*_DTYPE),
     "model.lm_head_precision": _enum("float32", "bfloat16"),
     "model.dequantize_base_checkpoint": _bool(),
+    "model.dspark_loss_weight": _float(0.0, example=0.1),
     "model.make_tiny_checkpoint_if_missing": _bool(),
     "distributed.backend": _enum("nccl", "gloo"),
     "distributed.ep_size": _int(1),

@@ -103,10 +103,12 @@ def test_kept_weights_on_the_gpu_are_the_snapshot_bytes():
 
     checkpoint = ReleasedCheckpoint(golden_dir("v41_tiny_text") / "snapshot")
     state = model.state_dict()
-    for t in checkpoint.tensors.values():
-        if t.fmt in ("fp8_block", "fp4") and t.name in state:
-            assert state[t.name].is_cuda
-            assert torch.equal(state[t.name].cpu().view(torch.uint8), checkpoint.read_raw(t.record).view(torch.uint8))
+    for t in checkpoint.tensors.values():  # FP8 linears, FP4 experts and the Engram tables, codes and scales
+        if t.fmt != "plain":
+            for record in (t.record, t.scale):
+                assert state[record.name].is_cuda, record.name
+                assert torch.equal(state[record.name].cpu().view(torch.uint8),
+                                   checkpoint.read_raw(record).view(torch.uint8)), record.name
 
 
 SPLIT = {"embed": 0, **{f"layers.{i}": 0 if i < 4 else 1 for i in range(9)}, "norm": 1, "head": 1}

@@ -1,0 +1,490 @@
+"""GEMMs on the released quantized formats (Hopper, Triton): FP8 block-scaled linears and FP4 routed experts.
+
+The release stores FP8 E4M3 linear weights with one UE8M0 scale per 32x32 block and the routed experts as packed
+E2M1 codes with one UE8M0 scale per 32 inputs (``release_format.py``).  The official inference quantizes every
+activation that enters such a GEMM to FP8 E4M3 in groups of 32 along K with power-of-two scales, and then runs
+an FP8 x FP8 (or FP8 x FP4) GEMM that accumulates in fp32 and applies ``a_scale * w_scale`` once per 32-wide K
+block (architecture.md §4, §6).  These functions do the same on the GPU without ever decoding a whole weight:
+
+* ``act_quant_fp8(x)``: bf16 [M, K] -> (codes float8_e4m3fn [M, K], scales fp32 [M, ceil(K/32)]).  Per row and
+  group of 32: ``amax = max(|x|, 1e-4)``, ``s = 2^ceil(log2(amax/448))``, ``q = e4m3_rne(clamp(x/s, ±448))``.
+  The scales are powers of two (UE8M0 values held as fp32); the returned scale tensor is a transposed view of
+  a [ceil(K/32), M] buffer (the layout the GEMMs read), so use it through indexing, not ``.data_ptr()``.
+* ``fp8_linear(x, weight, scale)``: x [..., K] bf16, weight float8_e4m3fn [N, K], scale [ceil(N/32), ceil(K/32)]
+  (float8_e8m0fnu or float32) -> bf16 [..., N] = act_quant_fp8 + the block-scaled GEMM (below).
+* ``fp4_grouped_gemm(a, a_scale, codes, scales, counts)``: FP8 activations [m, K] (rows sorted by group,
+  ``counts`` [G] rows each) times packed FP4 weights codes [G, N, K/2] (int8/uint8, low nibble = even k), scales
+  [G, N, ceil(K/32)] -> bf16 [m, N].
+* ``fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit)``: the routed
+  experts' SwiGLU as ``moe.RoutedExperts.grouped_forward`` computes it, on the stored formats: x bf16 [m, dim]
+  sorted by expert, counts int [E], routing weights fp32 [m]; w1/w3 codes [E, inter, dim/2] with scales
+  [E, inter, dim/32], w2 codes [E, dim, inter/2] with scales [E, dim, inter/32] -> bf16 [m, dim].  As the
+  official ``Expert.forward``: x -> FP8 (groups of 32), gate and up rounded to bf16, fp32 clamped SwiGLU times
+  the routing weight, rounded to bf16, -> FP8 again, -> w2.  Gate and up come out of one kernel (both GEMMs
+  share the activation tiles) with the SwiGLU in its epilogue.
+
+``quantized_gemm_usable(x)`` says whether these kernels can run for ``x`` (CUDA, Triton, FP8 tensor cores: compute
+capability 8.9 or newer).  Elsewhere the callers (``kept.py``) decode one weight tile at a time instead.
+
+How the 32-wide K blocks are honoured (``MMA_BF16`` in a kernel configuration picks one of two ways):
+
+* FP8 MMA: an FP8 tensor-core MMA on Hopper consumes K=32 per instruction, so each 32-block's partial product comes
+  out of its own ``tl.dot`` and is promoted into the fp32 accumulator with the product of its two power-of-two
+  scales: one FFMA per output element per 32 inputs, as many CUDA-core cycles as the tensor core spends on the
+  block.  With the loop's other work the issue slots bound it, not the tensor core (ptxas, 128x128 tile: 153
+  instructions per thread per 32-block, ~2.4x the MMA's cycles).
+* bf16 MMA (the default): every operand value is a short code times a power of two, exact in bf16 (E4M3 and E2M1
+  have 3 and 1 mantissa bits).  The activations are quantized to FP8 exactly as above and stored as their bf16
+  values; the weight tiles are decoded to bf16 in registers (code times scale, one multiply per weight element per
+  row tile); one bf16 MMA chain accumulates in fp32 over all of K.  The products are the same exact numbers as the
+  FP8 MMA's; only the fp32 summation order differs, and no promotion step stalls the tensor core.
+
+Both read the weights in their stored bytes (half or a quarter of bf16), which is what decode is bound by.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .release_format import ceil_div
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only PyTorch builds come without Triton
+    triton = None
+
+GROUP = 32  # quantization group along K, for activations and weights alike
+FP8_MAX = 448.0
+
+
+def quantized_gemm_usable(x: torch.Tensor) -> bool:
+    """True where the Triton FP8/FP4 kernels run: x on a CUDA device with FP8 tensor cores (sm_89+) and Triton."""
+    return triton is not None and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def act_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager ``act_quant_fp8`` (any device): x [M, K] -> (codes float8_e4m3fn [M, K], scales fp32 [M, ceil(K/32)]).
+
+    The scale's power-of-two ceiling is read off the fp32 bits of ``amax * fp32(1/448)`` (exponent, plus one
+    when the mantissa is non-zero), as the official kernel computes it; a ragged last group is scaled by the
+    columns it has."""
+    m, k = x.shape
+    groups = ceil_div(k, GROUP)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * GROUP - k)).view(m, groups, GROUP)
+    amax = padded.abs().amax(-1).clamp_min(1e-4)
+    bits = (amax * torch.tensor(1.0 / FP8_MAX)).view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    scale = ((exponent + 127) << 23).view(torch.float32)
+    inverse = ((127 - exponent) << 23).view(torch.float32)  # exact 2^-e: x/s without a division
+    codes = (padded * inverse[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(m, groups * GROUP)[:, :k], scale
+
+
+if triton is not None:
+
+    @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+                          QDQ: tl.constexpr):
+        # x [M, K] -> q fp8 [M, K] and s fp32 [ceil(K/32), M] (scale-major: the GEMMs read a row tile per K block);
+        # QDQ: q is the quantized values themselves in bf16 (code times scale: exact), no s
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * GROUPS * 32 + tl.arange(0, GROUPS * 32)
+        live = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=live, other=0.0)
+        x = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, 32))
+        amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
+        bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+        inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+        q = tl.clamp(x * inverse[:, :, None], -448.0, 448.0).to(tl.float8e4nv)
+        if QDQ:
+            q = (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], tl.reshape(q, (BLOCK_M, GROUPS * 32)),
+                 mask=live)
+        if not QDQ:
+            groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+            tl.store(s_ptr + groups[None, :].to(tl.int64) * M + rows[:, None], scale,
+                     mask=(rows[:, None] < M) & (groups[None, :] * 32 < K))
+
+    @triton.jit
+    def _e8m0_to_f32(e):
+        # UE8M0 byte -> 2^(e-127); byte 0 is the subnormal 2^-127
+        e = e.to(tl.int32)
+        return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e2m1_to_e4m3(nib):
+        # 4-bit E2M1 code (int32, sign in bit 3) -> the E4M3 byte of the same value: magnitudes 0 and 0.5 are
+        # special (0x00, 0x30); from 1.0 on the 2-bit exponent and 1-bit mantissa shift into place, bias +6
+        mag = nib & 7
+        byte = tl.where(mag >= 2, (mag << 2) + 48, mag * 48) | ((nib & 8) << 4)
+        return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+    @triton.jit
+    def _e2m1_to_f32_scaled(nib):
+        # 4-bit E2M1 code -> its value times 2^-126 in fp32: the code's 2 exponent and 1 mantissa bits land on the
+        # fp32 exponent/mantissa boundary (bias 127 instead of 1), so code 1 (0.5) becomes the subnormal 2^-127 and
+        # 0 stays 0; one exact multiply by 2^126 restores the value (fp32 multiplies keep subnormals)
+        return (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _b_block(b_ptr, bs_ptr, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4: tl.constexpr,
+                 BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr, MMA_BF16: tl.constexpr, EVEN: tl.constexpr):
+        # one 32-wide K block of the weight tile [BN, 32] and its scale per output column [BN]: FP8 codes for the
+        # FP8 MMA (the scale applied to its partial product), or the decoded values times the scale in bf16 (exact:
+        # a code times a power of two) for the bf16 MMA.  EVEN: the tile lies inside N and K (no masks)
+        k32 = tl.arange(0, 32)
+        s_ptrs = bs_ptr + (offs_n // BS_ROWS) * stride_bsn + kb
+        s = tl.load(s_ptrs) if EVEN else tl.load(s_ptrs, mask=n_live & (kb * 32 < K), other=0)
+        if BS_E8M0:
+            s = _e8m0_to_f32(s)
+        if B_FP4:
+            k16 = tl.arange(0, 16)
+            b_ptrs = b_ptr + offs_n[:, None] * stride_bn + kb * 16 + k16[None, :]
+            if EVEN:
+                packed = tl.load(b_ptrs).to(tl.int32)
+            else:
+                packed = tl.load(b_ptrs, mask=n_live[:, None] & (kb * 32 + 2 * k16[None, :] < K), other=0).to(tl.int32)
+            # low nibble is element 2i, high nibble element 2i+1
+            if MMA_BF16:
+                lo, hi = _e2m1_to_f32_scaled(packed), _e2m1_to_f32_scaled(packed >> 4)
+            else:
+                lo, hi = _e2m1_to_e4m3(packed & 15), _e2m1_to_e4m3(packed >> 4)
+            b = tl.reshape(tl.join(lo, hi), (offs_n.shape[0], 32))
+            if MMA_BF16:
+                b = b * 8.507059173023462e37  # 2^126
+        else:
+            b_ptrs = b_ptr + offs_n[:, None] * stride_bn + kb * 32 + k32[None, :]
+            if EVEN:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=n_live[:, None] & (kb * 32 + k32[None, :] < K), other=0.0)
+        if MMA_BF16:
+            b = (b.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        return b, s
+
+    @triton.jit
+    def _tile(pid, M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        # program id -> (group, first row, rows end, first column); grouped: tiles never straddle two groups,
+        # tile_start [G+1] = first row tile of each group (cumulative), found by binary search
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        if GROUPED:
+            pid_m = pid // tiles_n
+            pid_n = pid % tiles_n
+            lo = pid_m * 0
+            hi = pid_m * 0 + n_groups - 1
+            for _ in tl.static_range(10):  # 2^10 >= any expert count (checked by the caller)
+                mid = (lo + hi + 1) // 2
+                go = tl.load(tile_start_ptr + mid) <= pid_m
+                lo = tl.where(go, mid, lo)
+                hi = tl.where(go, hi, mid - 1)
+            g = lo
+            row0 = tl.load(row_start_ptr + g)
+            m0 = row0 + (pid_m - tl.load(tile_start_ptr + g)) * BLOCK_M
+            m_end = tl.load(row_start_ptr + g + 1)
+        else:
+            # grouped ordering over M (L2 reuse of the weight tiles)
+            tiles_m = tl.cdiv(M, BLOCK_M)
+            width = GROUP_M * tiles_n
+            first = (pid // width) * GROUP_M
+            size = tl.minimum(tiles_m - first, GROUP_M)
+            pid_m = first + (pid % width) % size
+            pid_n = (pid % width) // size
+            g = pid * 0
+            m0 = pid_m * BLOCK_M
+            m_end = M
+        return g, m0, m_end, pid_n * BLOCK_N
+
+    @triton.jit
+    def _scaled_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, b2_ptr, bs2_ptr, c_ptr, w_ptr, tile_start_ptr,
+                            row_start_ptr, M, N, K, n_groups, stride_bg, stride_bn, stride_bsg, stride_bsn, limit,
+                            B_FP4: tl.constexpr, BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr,
+                            GROUPED: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr, MMA_BF16: tl.constexpr,
+                            EVEN: tl.constexpr, GROUP_M: tl.constexpr):
+        """C = sum over 32-wide K blocks kb of (A_kb @ B_kb^T) * a_s[kb, m] * b_s[n // BS_ROWS, kb], in fp32.
+
+        a fp8 [M, K], as fp32 [ceil(K/32), M]; b fp8 [N, K] (or FP4 bytes [G, N, K/2]) with scales bs
+        [ceil(N/BS_ROWS), ceil(K/32)] (or [G, N, ceil(K/32)]), E8M0 bytes or fp32.  SWIGLU: b2/bs2 are the up
+        projection, C = bf16(silu(min(gate, limit)) * clamp(up, ±limit) * w[m]) with gate/up rounded to bf16
+        first (limit <= 0: no clamps).  SPLIT_K > 1: program axis 1 takes one slice of the K blocks and writes
+        its fp32 partial sum to c[slice] ([SPLIT_K, M, N], summed by the caller: deterministic, no atomics).
+        MMA_BF16: a holds the quantized activations' values in bf16 (no ``as``), the weight tiles are decoded to
+        bf16 in registers and one bf16 MMA chain accumulates over all of K (the same products, exact in both).
+        EVEN: K is a multiple of 32 * SUB and N of BLOCK_N, so only the rows need masks."""
+        g, m0, m_end, n0 = _tile(tl.program_id(0), M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED,
+                                 BLOCK_M, BLOCK_N, GROUP_M)
+        if m0 < m_end:
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            m_live = offs_m < m_end
+            n_live = offs_n < N
+            k32 = tl.arange(0, 32)
+            a_rows = a_ptr + offs_m[:, None].to(tl.int64) * K
+            b_base = b_ptr + g.to(tl.int64) * stride_bg
+            bs_base = bs_ptr + g.to(tl.int64) * stride_bsg
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if SWIGLU:
+                b2_base = b2_ptr + g.to(tl.int64) * stride_bg
+                bs2_base = bs2_ptr + g.to(tl.int64) * stride_bsg
+                acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            n_blocks = (K + 31) // 32
+            # this program's K blocks: all of them, or one of SPLIT_K slices of whole SUB-block steps
+            per_split = tl.cdiv(tl.cdiv(n_blocks, SPLIT_K), SUB) * SUB
+            kb_start = tl.program_id(1) * per_split
+            kb_end = tl.minimum(kb_start + per_split, n_blocks)
+            # SUB 32-blocks per iteration (fewer, larger pipelined steps); blocks past the end load zeros
+            for kb0 in range(kb_start, kb_end, SUB):
+                for j in tl.static_range(SUB):
+                    kb = kb0 + j
+                    if EVEN:
+                        a_mask = m_live[:, None]
+                    else:
+                        a_mask = m_live[:, None] & (kb < kb_end) & (kb * 32 + k32[None, :] < K)
+                    a = tl.load(a_rows + kb * 32 + k32[None, :], mask=a_mask, other=0.0)
+                    b, sb = _b_block(b_base, bs_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
+                                     BS_E8M0, BS_ROWS, MMA_BF16, EVEN)
+                    if MMA_BF16:
+                        acc = tl.dot(a, tl.trans(b), acc)
+                    else:
+                        sa = tl.load(as_ptr + kb.to(tl.int64) * M + offs_m, mask=m_live & (kb < kb_end), other=0.0)
+                        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+                    if SWIGLU:
+                        b2, sb2 = _b_block(b2_base, bs2_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
+                                           BS_E8M0, BS_ROWS, MMA_BF16, EVEN)
+                        if MMA_BF16:
+                            acc2 = tl.dot(a, tl.trans(b2), acc2)
+                        else:
+                            acc2 += tl.dot(a, tl.trans(b2)) * (sa[:, None] * sb2[None, :])
+            if SWIGLU:
+                gate = acc.to(tl.bfloat16).to(tl.float32)
+                up = acc2.to(tl.bfloat16).to(tl.float32)
+                if limit > 0:
+                    up = tl.clamp(up, -limit, limit)
+                    gate = tl.minimum(gate, limit)
+                w = tl.load(w_ptr + offs_m, mask=m_live, other=0.0)
+                acc = gate * tl.sigmoid(gate) * up * w[:, None]  # as kernels_triton.weighted_swiglu_triton
+            c_ptr += tl.program_id(1).to(tl.int64) * M * N
+            tl.store(c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=m_live[:, None] & n_live[None, :])
+
+
+# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA_BF16) per workload and rows per weight ("decode" up to
+# 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA_BF16 1: the bf16 MMA
+# on decoded tiles, 0: the FP8 MMA with a promotion per 32-block.  Chosen without timings (no GPU time was left),
+# from what ptxas makes of them for sm_90 (examples/benchmarks/results/quantized_gemm_ptxas_sm90.txt): no spills;
+# at 256x128 the main loop issues 230 (FP8 weights) or 376 (FP4) instructions per thread per 64 K, 460 or 752
+# issue cycles for the CTA's 8 warps against 1024 cycles of bf16 MMA, so the tensor core should bound it; the FP8
+# MMA path at 128x128 issues 153 per 32 K, 306 cycles against 128 of FP8 MMA.  quantized_gemm.py --sweep times them.
+CONFIGS = {
+    "dense_decode": (64, 64, 2, 4, 6, 0, 1),
+    "dense_medium": (128, 128, 2, 8, 4, 1, 1),
+    "dense_prefill": (256, 128, 2, 8, 3, 1, 1),
+    "grouped_decode": (64, 64, 2, 4, 6, 1, 1),
+    "grouped_medium": (128, 128, 2, 8, 4, 1, 1),
+    "grouped_prefill": (256, 128, 2, 8, 3, 1, 1),
+    "swiglu_decode": (64, 32, 2, 4, 6, 1, 1),
+    "swiglu_medium": (128, 64, 2, 8, 4, 1, 1),
+    "swiglu_prefill": (256, 64, 2, 8, 3, 1, 1),
+}
+
+
+def _config(kind: str, rows: int, config):
+    if config is not None:
+        return config
+    return CONFIGS[f"{kind}_{'decode' if rows <= 64 else 'medium' if rows <= 512 else 'prefill'}"]
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_usable(x: torch.Tensor, what: str) -> None:
+    if not quantized_gemm_usable(x):
+        raise RuntimeError(
+            f"{what} runs Triton FP8 kernels on a CUDA GPU with FP8 tensor cores (compute capability 8.9+); got a "
+            f"tensor on {x.device}: decode one weight tile at a time there instead (quantized_gemm_usable(x) says "
+            "which path to take)"
+        )
+
+
+def _scale_arg(scale: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+    # E8M0 scales go in as their bytes, F32 (older releases) as floats
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.contiguous().view(torch.uint8), True
+    if scale.dtype == torch.float32:
+        return scale.contiguous(), False
+    raise TypeError(f"{name} must be float8_e8m0fnu (UE8M0) or float32, got {scale.dtype}")
+
+
+def _act_quant_t(x: torch.Tensor, qdq: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # x [M, K] -> (codes fp8 [M, K], scales fp32 [ceil(K/32), M]), the FP8 MMA's layout; qdq: (the quantized values
+    # in bf16 [M, K], the same tensor as an unused placeholder), what the bf16 MMA reads
+    x = x.contiguous()
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.bfloat16 if qdq else torch.float8_e4m3fn, device=x.device)
+    scales = codes if qdq else torch.empty(ceil_div(k, GROUP), m, dtype=torch.float32, device=x.device)
+    if m and k:
+        block_m, groups = 32, 4
+        grid = (triton.cdiv(m, block_m), triton.cdiv(k, groups * GROUP))
+        _act_quant_kernel[grid](x, codes, scales, m, k, x.stride(0), BLOCK_M=block_m, GROUPS=groups, QDQ=qdq,
+                                num_warps=4)
+    return codes, scales
+
+
+@torch.compiler.disable  # host-side launch code: opaque to a compiled model (a graph break per call)
+def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [M, K] -> (codes float8_e4m3fn [M, K], scales fp32 [M, ceil(K/32)]), the official V4.1 activation
+    quantization (groups of 32, UE8M0 scales).  GPU kernel on CUDA, ``act_quant_reference`` elsewhere."""
+    if x.dim() != 2:
+        raise ValueError(f"act_quant_fp8 takes a 2-D [M, K] activation, got shape {tuple(x.shape)}: flatten it first")
+    if not (triton is not None and x.is_cuda):
+        return act_quant_reference(x)
+    codes, scales = _act_quant_t(x)
+    return codes, scales.t()
+
+
+def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_rows, config, strides, counts=None,
+            swiglu=None):
+    """One ``_scaled_gemm_kernel`` launch: activations from ``_act_quant_t(x, qdq=config's MMA_BF16)`` x weight
+    tiles -> [m, n]."""
+    block_m, block_n, sub, warps, stages, split, mma_bf16 = config
+    m = a.shape[0]
+    stride_bg, stride_bn, stride_bsg, stride_bsn = strides
+    if counts is None:
+        n_groups, tiles_m = 1, triton.cdiv(m, block_m)
+        tile_start = row_start = b_scale  # unused
+    else:
+        n_groups = counts.numel()
+        row_start = torch.zeros(n_groups + 1, dtype=torch.int32, device=a.device)
+        torch.cumsum(counts, 0, out=row_start[1:])
+        tile_start = torch.zeros_like(row_start)
+        torch.cumsum(torch.div(counts + (block_m - 1), block_m, rounding_mode="floor"), 0, out=tile_start[1:])
+        tiles_m = triton.cdiv(m, block_m) + n_groups  # an upper bound on the row tiles: no host sync for the count
+    tiles = tiles_m * triton.cdiv(n, block_n)
+    if split == 0:  # enough K slices for about two programs per SM, each at least 4 steps long
+        split = max(1, min(2 * _sm_count(a.device) // tiles, triton.cdiv(k, 32 * sub * 4)))
+    if split > 1 and (swiglu is not None or counts is not None):
+        raise ValueError("SPLIT_K > 1 serves the dense GEMM only")
+    out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
+    b2, bs2, w, limit = swiglu if swiglu is not None else (b, b_scale, out, 0.0)
+    _scaled_gemm_kernel[(tiles, split)](
+        a, a_scale_t, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg, stride_bn,
+        stride_bsg, stride_bsn, float(limit), B_FP4=b_fp4, BS_E8M0=bs_e8m0, BS_ROWS=bs_rows,
+        GROUPED=counts is not None, SWIGLU=swiglu is not None, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
+        SPLIT_K=split, MMA_BF16=bool(mma_bf16), EVEN=k % (32 * sub) == 0 and n % block_n == 0, GROUP_M=8,
+        num_warps=warps, num_stages=stages,
+    )
+    return out[0] if split == 1 else out.sum(0).to(out_dtype)
+
+
+@torch.compiler.disable
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out_dtype=torch.bfloat16,
+               config=None) -> torch.Tensor:
+    """x [..., K] (bf16) @ FP8 weight [N, K] (32x32 block scales [ceil(N/32), ceil(K/32)], UE8M0 or F32)^T ->
+    [..., N] in ``out_dtype`` (bf16; fp32 for tests), with x quantized to FP8 as the official inference does."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise TypeError(f"fp8_linear takes a float8_e4m3fn [N, K] weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, the weight {tuple(weight.shape)} takes {k}")
+    expected = (ceil_div(n, GROUP), ceil_div(k, GROUP))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"fp8_linear: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
+                         f"with 32x32 blocks: expected {expected}")
+    b_scale, e8m0 = _scale_arg(scale, "fp8_linear scale")
+    _check_usable(x, "fp8_linear")
+    rows = x.reshape(-1, k)
+    if not rows.shape[0]:
+        return x.new_empty(*x.shape[:-1], n, dtype=out_dtype)
+    config = _config("dense", rows.shape[0], config)
+    a, a_scale = _act_quant_t(rows, qdq=bool(config[6]))
+    out = _launch(a, a_scale, weight.contiguous(), b_scale, out_dtype, n=n, k=k, b_fp4=False, bs_e8m0=e8m0,
+                  bs_rows=GROUP, config=config, strides=(0, k, 0, b_scale.shape[1]))
+    return out.view(*x.shape[:-1], n)
+
+
+def _check_fp4(codes: torch.Tensor, scales: torch.Tensor, k: int, name: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    if codes.dtype not in (torch.int8, torch.uint8) or codes.dim() != 3:
+        raise TypeError(f"{name} codes must be int8/uint8 [E, N, K/2] (two E2M1 codes per byte), got {codes.dtype} "
+                        f"{tuple(codes.shape)}")
+    if codes.shape[2] * 2 != k:
+        raise ValueError(f"{name} codes {tuple(codes.shape)} hold {2 * codes.shape[2]} inputs per row, the "
+                         f"activations have {k}")
+    expected = (codes.shape[0], codes.shape[1], ceil_div(k, GROUP))
+    if tuple(scales.shape) != expected:
+        raise ValueError(f"{name} scales {tuple(scales.shape)} do not match codes {tuple(codes.shape)}: expected "
+                         f"{expected} (one per 32 inputs)")
+    s, e8m0 = _scale_arg(scales, f"{name} scales")
+    return codes.contiguous().view(torch.uint8), s, e8m0
+
+
+def _fp4_strides(codes: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int, int]:
+    return codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1)
+
+
+def _check_counts(counts: torch.Tensor, groups: int) -> torch.Tensor:
+    if counts.dim() != 1 or counts.numel() != groups:
+        raise ValueError(f"counts must be [{groups}] (rows per expert), got shape {tuple(counts.shape)}")
+    if groups > 1024:
+        raise ValueError(f"{groups} experts on one GPU: the grouped kernel's tile search covers at most 1024")
+    return counts.to(torch.int32)
+
+
+@torch.compiler.disable
+def fp4_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                     counts: torch.Tensor, *, out_dtype=torch.bfloat16, config=None) -> torch.Tensor:
+    """FP8 rows a [m, K] with scales [m, ceil(K/32)] (``act_quant_fp8``), sorted by group with ``counts`` [G] rows
+    each (the rows past sum(counts) are left unwritten), times packed FP4 weights codes [G, N, K/2] with scales
+    [G, N, ceil(K/32)] -> [m, N] in ``out_dtype``."""
+    m, k = a.shape
+    codes, s, e8m0 = _check_fp4(codes, scales, k, "fp4_grouped_gemm")
+    counts = _check_counts(counts, codes.shape[0])
+    _check_usable(a, "fp4_grouped_gemm")
+    n = codes.shape[1]
+    if not m:
+        return a.new_empty(0, n, dtype=out_dtype)
+    config = _config("grouped", m // max(codes.shape[0], 1), config)
+    if config[6]:  # the bf16 MMA reads the activations' values
+        a = (a.float() * a_scale.repeat_interleave(GROUP, 1)[:, :k]).bfloat16()
+    return _launch(a.contiguous(), a_scale.t().contiguous(), codes, s, out_dtype, n=n, k=k, b_fp4=True,
+                   bs_e8m0=e8m0, bs_rows=1, config=config, strides=_fp4_strides(codes, s), counts=counts.to(a.device))
+
+
+@torch.compiler.disable
+def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit: float, *,
+                        configs=(None, None)) -> torch.Tensor:
+    """The routed experts' clamped SwiGLU on the stored FP4 weights (see the module docstring): x bf16 [m, dim]
+    sorted by expert, counts [E], routing weights fp32 [m] -> bf16 [m, dim]."""
+    m, dim = x.shape
+    w1c, w1s, e8m0 = _check_fp4(w1, w1_scale, dim, "w1")
+    w3c, w3s, e8m0_3 = _check_fp4(w3, w3_scale, dim, "w3")
+    if w1.shape != w3.shape or w1_scale.shape != w3_scale.shape or e8m0 != e8m0_3:
+        raise ValueError(f"w1 {tuple(w1.shape)} and w3 {tuple(w3.shape)} (and their scales) must match")
+    n_experts, inter = w1.shape[0], w1.shape[1]
+    w2c, w2s, e8m0_2 = _check_fp4(w2, w2_scale, inter, "w2")
+    if tuple(w2.shape[:2]) != (n_experts, dim):
+        raise ValueError(f"w2 codes {tuple(w2.shape)} must be [{n_experts}, {dim}, {inter // 2}]")
+    counts = _check_counts(counts, n_experts)
+    if tuple(weights.shape) != (m,):
+        raise ValueError(f"weights must be [{m}] (one routing weight per row), got {tuple(weights.shape)}")
+    _check_usable(x, "fp4_grouped_experts")
+    if not m:
+        return x.new_empty(0, dim, dtype=torch.bfloat16)
+    counts = counts.to(x.device)
+    rows_per_expert = m // max(n_experts, 1)
+    up_config = _config("swiglu", rows_per_expert, configs[0])
+    down_config = _config("grouped", rows_per_expert, configs[1])
+    a, a_scale = _act_quant_t(x, qdq=bool(up_config[6]))
+    h = _launch(a, a_scale, w1c, w1s, torch.bfloat16, n=inter, k=dim, b_fp4=True, bs_e8m0=e8m0, bs_rows=1,
+                config=up_config, strides=_fp4_strides(w1c, w1s), counts=counts,
+                swiglu=(w3c, w3s, weights.float().contiguous(), limit))
+    a, a_scale = _act_quant_t(h, qdq=bool(down_config[6]))
+    return _launch(a, a_scale, w2c, w2s, torch.bfloat16, n=dim, k=inter, b_fp4=True, bs_e8m0=e8m0_2, bs_rows=1,
+                   config=down_config, strides=_fp4_strides(w2c, w2s), counts=counts)
