@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 from conftest import DSPARK_FIXTURE, golden_dir, tiny_model
+from test_decode_graph_gpu import left_padded
 
 from deepseek_v41.cache_deepseek_v41 import DeepseekV41StaticCache
 from deepseek_v41.decode_graph import DecodeGraph
@@ -35,15 +36,10 @@ def model(v4_tokenizer):
 def prefilled(model, lengths, seed=0):
     """A static cache that can undo SPARE positions, after a left-padded prefill of random prompts of ``lengths``;
     and each row's continuation ids [b, 64]."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), 2)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, 1000, (n,), generator=g)
-        mask[row, width - n :] = 1
-    cache = DeepseekV41StaticCache(model.config, width + 80, rollback_tokens=SPARE)
-    model(ids.cuda(), attention_mask=mask.cuda(), cache=cache)
+    ids, mask = left_padded(lengths, seed)
+    cache = DeepseekV41StaticCache(model.config, ids.shape[1] + 80, rollback_tokens=SPARE)
+    model(ids, attention_mask=mask, cache=cache)
+    g = torch.Generator().manual_seed(seed + 1)
     return cache, torch.randint(3, 1000, (len(lengths), 64), generator=g).cuda()
 
 
