@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from torchrun_launch import assert_every_rank, mark, missing_ranks, say, tail, torchrun, torchrun_env  # noqa: F401
+from torchrun_launch import assert_every_rank, mark, missing_ranks, say, tail, torchrun, torchrun_env
 
 REPO = Path(__file__).resolve().parents[1]
 NPROC = 2
