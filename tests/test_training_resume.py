@@ -54,7 +54,8 @@ def launch(tmp, out, *overrides, world=2, worker=None, check=True, timeout=420, 
 
 def rng_draws(stdout: str, run: Path) -> dict:
     """{(step, rank): the worker's RNG draws at the start of that update} of the run writing to ``run``."""
-    pattern = rf"^RNG step=(\d+) rank=(\d+) out={re.escape(str(run))}: (.*)$"
+    # not anchored at the line start: another rank's print() may have left its text without its newline yet
+    pattern = rf"RNG step=(\d+) rank=(\d+) out={re.escape(str(run))}: (.*)$"
     return {(int(s), int(r)): draws for s, r, draws in re.findall(pattern, stdout, flags=re.MULTILINE)}
 
 

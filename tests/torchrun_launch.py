@@ -50,8 +50,9 @@ def mark(text: str) -> None:
 
 
 def ranks_with(output: str, text: str) -> set[int]:
-    """The ranks that printed ``TEXT rank=R`` as a line of ``output``."""
-    return {int(r) for r in re.findall(rf"^{re.escape(text)} rank=(\d+)$", output, flags=re.MULTILINE)}
+    """The ranks that printed ``TEXT rank=R`` (one write, ``mark``) ending a line of ``output``: not anchored at the
+    line start, since another rank's print() may have written its text and not yet its newline."""
+    return {int(r) for r in re.findall(rf"{re.escape(text)} rank=(\d+)$", output, flags=re.MULTILINE)}
 
 
 def tail(result: subprocess.CompletedProcess) -> str:
