@@ -56,7 +56,7 @@ def unusable_reason(model, cache, input_ids: torch.Tensor, key=(1, False)) -> st
         return "gradients are enabled: a captured step runs under torch.no_grad() or torch.inference_mode()"
     if isinstance(cache.graphs.get(key), str):
         return cache.graphs[key]
-    if any(getattr(module, "held_on_host", False) for module in model.modules()):
+    if any(layer.engram is not None and layer.engram.embed.held_on_host for layer in model.layers):
         return "the Engram tables are in host memory (engram_device='cpu'): each step gathers its rows on the host"
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:

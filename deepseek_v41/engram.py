@@ -56,18 +56,12 @@ class Engram(nn.Module):
         for name, value in self._derived.items():
             getattr(self, name).copy_(value)
 
-    def hash(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-        # input_ids [b, s] -> table rows [b, s, (max_ngram - 1) * n_heads]
+    def hash(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None, on_host: bool = False) -> torch.Tensor:
+        # input_ids [b, s] -> table rows [b, s, (max_ngram - 1) * n_heads]; on_host: with the constants' host copies
+        # (input_ids on the host, the rows there: a host table's prefetch)
+        c = self._derived if on_host else self._buffers
         return engram_hash(
-            input_ids, self.cmap, self.multipliers, self.primes, self.offsets,
-            max_ngram_size=self.max_ngram, pad_id=self.pad_id, image_mask=image_mask, map_size=self.map_size,
-        )
-
-    def hash_on_host(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-        # ``hash`` with the constants' host copies: input_ids [b, s] on the host -> rows [b, s, cols] there
-        d = self._derived
-        return engram_hash(
-            input_ids, d["cmap"], d["multipliers"], d["primes"], d["offsets"],
+            input_ids, c["cmap"], c["multipliers"], c["primes"], c["offsets"],
             max_ngram_size=self.max_ngram, pad_id=self.pad_id, image_mask=image_mask, map_size=self.map_size,
         )
 

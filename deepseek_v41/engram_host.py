@@ -292,7 +292,7 @@ def _gather_and_copy(engram, input_ids, image_mask, hash_ids, device: torch.devi
     # (on the worker thread for CUDA) hash on the host, gather into a pinned buffer, copy on the side stream
     with torch.no_grad():
         if hash_ids is None:
-            hash_ids = engram.hash_on_host(input_ids, image_mask)
+            hash_ids = engram.hash(input_ids, image_mask, on_host=True)
         packed = engram.embed.gather_packed(hash_ids.reshape(-1).to(HOST), pin=stream is not None)
         if stream is None:
             return packed.to(device), None

@@ -695,10 +695,10 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         extra = {}
         if dspark_weight:  # loss = the LM loss (lm_loss) + weight x the stages' mean loss per drafted position
             stage = dspark_batch_loss(self, backbone.dspark_hidden, input_ids, labels, attention_mask)
-            mean = stage.total / stage.count.clamp(min=1)
+            n = stage.count.clamp(min=1)
+            mean = stage.total / n
             if num_items_in_batch is not None:  # gradient accumulation: this micro-batch's share of the labels
                 mean = mean * (targets != IGNORE_INDEX).sum() / torch.as_tensor(num_items_in_batch, device=mean.device)
-            n = stage.count.clamp(min=1)
             extra = {"lm_loss": loss, "dspark_loss": stage.draft / n, "dspark_confidence_loss": stage.confidence / n,
                      "dspark_accuracy": stage.correct / n, "dspark_positions": stage.count}
             loss = loss + dspark_weight * mean

@@ -251,20 +251,14 @@ def _layer_of(module_name: str):
     return int(match[1]) if match else None
 
 
-def _device_of(name: str, device_map: dict):
-    best = None
-    for key, device in device_map.items():
-        if (key == "" or name == key or name.startswith(key + ".")) and (best is None or len(key) > len(best[0])):
-            best = (key, device)
-    return None if best is None else best[1]
-
-
 def plan_inference(model, config, *, gpus: int, gpu_memory: int, weights: str = "kept", engram: str = "gpu",
                    batch: int = 1, context: int = 32768, prefill_tokens: int | None = None,
                    attn: str = "tilelang", prepared: dict | None = None) -> dict:
     """The inference plan of ``model`` (a meta model from ``plan.meta_model``; ``prepared``: ``prepare_model``'s
     table when it was already swapped to ``weights``) on ``gpus`` GPUs of ``gpu_memory`` bytes."""
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+    from deepseek_v41.modeling_deepseek_v41 import placement_of
 
     for label, value in (("--gpus", gpus), ("--gpu-memory", gpu_memory), ("--batch", batch), ("--context", context)):
         if not isinstance(value, int) or value < 1:
@@ -300,7 +294,7 @@ def plan_inference(model, config, *, gpus: int, gpu_memory: int, weights: str = 
     for name, (_, _, size) in table.items():
         if engram == "cpu" and ".engram.embed." in name:
             continue
-        device = _device_of(name, device_map)
+        device = placement_of(name, device_map)
         if device in per_gpu:
             per_gpu[device]["weights"] += size
         else:
@@ -309,7 +303,7 @@ def plan_inference(model, config, *, gpus: int, gpu_memory: int, weights: str = 
         layer = _layer_of(key)
         if device in per_gpu and layer is not None and key == f"layers.{layer}":
             per_gpu[device]["layers"].append(layer)
-    head_device = _device_of("head.weight", device_map)
+    head_device = placement_of("head.weight", device_map)
     for i, gpu in per_gpu.items():
         gpu["cache"] = sum(per_layer_cache[layer] for layer in gpu["layers"])
         if i == 0:

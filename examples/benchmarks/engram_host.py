@@ -170,7 +170,7 @@ def one_layer_costs(model, tables, ids, device) -> str:
     gathers, copies = [], []
     for _ in range(5):
         start = time.perf_counter()
-        packed = host.gather_packed(engram.hash_on_host(cpu_ids, None).reshape(-1), pin=device.type == "cuda")
+        packed = host.gather_packed(engram.hash(cpu_ids, None, on_host=True).reshape(-1), pin=device.type == "cuda")
         gathers.append(time.perf_counter() - start)
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
