@@ -45,6 +45,8 @@ CUDA_FWD = "deepseek_v41/sparse_attention_cuda.py"
 CUDA_BWD = "deepseek_v41/sparse_attention_cuda_bwd.py"
 TILELANG = "deepseek_v41/kernels_tilelang.py"
 LAYERS = "deepseek_v41/layers.py"
+QUANTIZED = "deepseek_v41/kernels_quantized.py"
+QUANTIZED_TESTS = f"{GPU}/test_quantized_kernels_gpu.py"
 TRITON_TESTS = f"{GPU}/test_triton_kernels_gpu.py"
 ATTENTION_TESTS = (f"{GPU}/test_tilelang_attention.py", f"{GPU}/test_gpu_model.py", f"{GPU}/test_generation_gpu.py")
 
@@ -135,6 +137,20 @@ MUTANTS = [
     Mutant("tilelang_indexer_causal_off_by_one", TILELANG, "t0 + t < (query_offset + i0 + i + 1) // ratio",
            "t0 + t <= (query_offset + i0 + i + 1) // ratio", ATTENTION_TESTS,
            "TileLang indexer: one compressed entry too many visible"),
+    # Triton: GEMMs on the released FP8/FP4 formats
+    Mutant("quant_act_scale_floor", QUANTIZED, "((bits & 0x7FFFFF) != 0).to(tl.int32)",
+           "0 * ((bits & 0x7FFFFF) != 0).to(tl.int32)", (QUANTIZED_TESTS,),
+           "activation quantization: the UE8M0 scale rounded down (values past 448 clamp)"),
+    Mutant("quant_fp4_sign_dropped", QUANTIZED, "(((nib & 7) << 22) | ((nib & 8) << 28))", "((nib & 7) << 22)",
+           (QUANTIZED_TESTS,), "FP4 decode: the sign bit dropped"),
+    Mutant("quant_fp4_nibble_order", QUANTIZED,
+           "lo, hi = _e2m1_to_f32_scaled(packed), _e2m1_to_f32_scaled(packed >> 4)",
+           "hi, lo = _e2m1_to_f32_scaled(packed), _e2m1_to_f32_scaled(packed >> 4)", (QUANTIZED_TESTS,),
+           "FP4 decode: the two nibbles of a byte swapped"),
+    Mutant("quant_weight_scale_k_block", QUANTIZED, "* stride_bsn + kb", "* stride_bsn + kb // 2", (QUANTIZED_TESTS,),
+           "FP8/FP4 weights: the scale of K block kb read from block kb // 2"),
+    Mutant("quant_swiglu_no_clamp", QUANTIZED, "up = tl.clamp(up, -limit, limit)", "up = up", (QUANTIZED_TESTS,),
+           "FP4 experts' fused SwiGLU: the up projection not clamped"),
 ]
 
 
