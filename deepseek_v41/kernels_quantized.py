@@ -205,7 +205,7 @@ if triton is not None:
                             row_start_ptr, M, N, K, n_groups, stride_bg, stride_bn, stride_bsg, stride_bsn, limit,
                             B_FP4: tl.constexpr, BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr,
                             GROUPED: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr, MMA_BF16: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr, MMA: tl.constexpr,
                             EVEN: tl.constexpr, GROUP_M: tl.constexpr):
         """C = sum over 32-wide K blocks kb of (A_kb @ B_kb^T) * a_s[kb, m] * b_s[n // BS_ROWS, kb], in fp32.
 
@@ -214,9 +214,15 @@ if triton is not None:
         projection, C = bf16(silu(min(gate, limit)) * clamp(up, ±limit) * w[m]) with gate/up rounded to bf16
         first (limit <= 0: no clamps).  SPLIT_K > 1: program axis 1 takes one slice of the K blocks and writes
         its fp32 partial sum to c[slice] ([SPLIT_K, M, N], summed by the caller: deterministic, no atomics).
-        MMA_BF16: a holds the quantized activations' values in bf16 (no ``as``), the weight tiles are decoded to
-        bf16 in registers and one bf16 MMA chain accumulates over all of K (the same products, exact in both).
+        MMA 0: the FP8 MMA with a promotion per 32-block.  MMA 1 or 2 (bf16 MMA): a holds the quantized
+        activations' values in bf16 (no ``as``), the weight tiles are decoded to bf16 in registers and one bf16 MMA
+        chain accumulates over all of K (the same products, exact in both); MMA 2 computes the transposed tile,
+        weight tile [BLOCK_N, 32] x activations^T [32, BLOCK_M], so the decoded weights are the MMA's left operand,
+        which Hopper's wgmma reads from registers (no store of the decoded tile to shared memory and no fence before
+        each MMA), and a few rows (decode) fill the MMA's narrow side.
         EVEN: K is a multiple of 32 * SUB and N of BLOCK_N, so only the rows need masks."""
+        MMA_BF16 = MMA >= 1
+        SWAP = MMA == 2
         g, m0, m_end, n0 = _tile(tl.program_id(0), M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED,
                                  BLOCK_M, BLOCK_N, GROUP_M)
         if m0 < m_end:
@@ -228,11 +234,14 @@ if triton is not None:
             a_rows = a_ptr + offs_m[:, None].to(tl.int64) * K
             b_base = b_ptr + g.to(tl.int64) * stride_bg
             bs_base = bs_ptr + g.to(tl.int64) * stride_bsg
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if SWAP:  # the transposed tile [BLOCK_N, BLOCK_M], transposed back after the K loop
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if SWIGLU:
                 b2_base = b2_ptr + g.to(tl.int64) * stride_bg
                 bs2_base = bs2_ptr + g.to(tl.int64) * stride_bsg
-                acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc2 = tl.zeros_like(acc)
             n_blocks = (K + 31) // 32
             # this program's K blocks: all of them, or one of SPLIT_K slices of whole SUB-block steps
             per_split = tl.cdiv(tl.cdiv(n_blocks, SPLIT_K), SUB) * SUB
@@ -249,7 +258,9 @@ if triton is not None:
                     a = tl.load(a_rows + kb * 32 + k32[None, :], mask=a_mask, other=0.0)
                     b, sb = _b_block(b_base, bs_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
                                      BS_E8M0, BS_ROWS, MMA_BF16, EVEN)
-                    if MMA_BF16:
+                    if SWAP:
+                        acc = tl.dot(b, tl.trans(a), acc)
+                    elif MMA_BF16:
                         acc = tl.dot(a, tl.trans(b), acc)
                     else:
                         sa = tl.load(as_ptr + kb.to(tl.int64) * M + offs_m, mask=m_live & (kb < kb_end), other=0.0)
@@ -257,10 +268,16 @@ if triton is not None:
                     if SWIGLU:
                         b2, sb2 = _b_block(b2_base, bs2_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
                                            BS_E8M0, BS_ROWS, MMA_BF16, EVEN)
-                        if MMA_BF16:
+                        if SWAP:
+                            acc2 = tl.dot(b2, tl.trans(a), acc2)
+                        elif MMA_BF16:
                             acc2 = tl.dot(a, tl.trans(b2), acc2)
                         else:
                             acc2 += tl.dot(a, tl.trans(b2)) * (sa[:, None] * sb2[None, :])
+            if SWAP:
+                acc = tl.trans(acc)
+                if SWIGLU:
+                    acc2 = tl.trans(acc2)
             if SWIGLU:
                 gate = acc.to(tl.bfloat16).to(tl.float32)
                 up = acc2.to(tl.bfloat16).to(tl.float32)
@@ -354,7 +371,7 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
             swiglu=None):
     """One ``_scaled_gemm_kernel`` launch: activations from ``_act_quant_t(x, qdq=config's MMA_BF16)`` x weight
     tiles -> [m, n]."""
-    block_m, block_n, sub, warps, stages, split, mma_bf16 = config
+    block_m, block_n, sub, warps, stages, split, mma = config
     m = a.shape[0]
     stride_bg, stride_bn, stride_bsg, stride_bsn = strides
     if counts is None:
@@ -378,7 +395,7 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
         a, a_scale_t, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg, stride_bn,
         stride_bsg, stride_bsn, float(limit), B_FP4=b_fp4, BS_E8M0=bs_e8m0, BS_ROWS=bs_rows,
         GROUPED=counts is not None, SWIGLU=swiglu is not None, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
-        SPLIT_K=split, MMA_BF16=bool(mma_bf16), EVEN=k % (32 * sub) == 0 and n % block_n == 0, GROUP_M=8,
+        SPLIT_K=split, MMA=int(mma), EVEN=k % (32 * sub) == 0 and n % block_n == 0, GROUP_M=8,
         num_warps=warps, num_stages=stages,
     )
     return out[0] if split == 1 else out.sum(0).to(out_dtype)

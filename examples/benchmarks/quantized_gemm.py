@@ -56,15 +56,20 @@ DENSE = [
     ("shared.w1/w3", 2304, 5120),
     ("shared.w2", 5120, 2304),
 ]
-SWEEP = {  # (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K, MMA_BF16)
+SWEEP = {  # (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K, MMA): MMA 0 FP8, 1 bf16, 2 bf16 with the weight on the left
     "dense_prefill": [(256, 128, 2, 8, 3, 1, 1), (128, 128, 2, 8, 4, 1, 1), (128, 256, 1, 8, 4, 1, 1),
-                      (256, 128, 1, 8, 4, 1, 1), (128, 128, 1, 8, 6, 1, 0), (128, 128, 2, 8, 4, 1, 0)],
+                      (256, 128, 1, 8, 4, 1, 1), (128, 128, 1, 8, 6, 1, 0), (128, 128, 2, 8, 4, 1, 0),
+                      (128, 128, 2, 8, 3, 1, 2), (256, 128, 2, 8, 3, 1, 2), (128, 256, 2, 8, 3, 1, 2),
+                      (128, 128, 4, 4, 3, 1, 2), (64, 128, 2, 4, 4, 1, 2)],
     "dense_decode": [(64, 64, 2, 4, 6, 0, 1), (64, 32, 2, 4, 6, 0, 1), (64, 128, 2, 4, 4, 0, 1),
-                     (64, 64, 2, 4, 6, 1, 1), (64, 64, 2, 4, 6, 0, 0)],
+                     (64, 64, 2, 4, 6, 1, 1), (64, 64, 2, 4, 6, 0, 0), (16, 64, 2, 4, 4, 0, 2),
+                     (16, 128, 2, 4, 4, 0, 2), (32, 64, 4, 4, 4, 0, 2), (16, 64, 4, 4, 3, 0, 2)],
     "swiglu_prefill": [(256, 64, 2, 8, 3, 1, 1), (128, 64, 2, 8, 4, 1, 1), (128, 128, 1, 8, 4, 1, 1),
-                       (128, 64, 1, 8, 6, 1, 0)],
+                       (128, 64, 1, 8, 6, 1, 0), (128, 128, 2, 8, 3, 1, 2), (256, 128, 2, 8, 3, 1, 2),
+                       (128, 64, 2, 4, 3, 1, 2)],
     "grouped_prefill": [(256, 128, 2, 8, 3, 1, 1), (128, 128, 2, 8, 4, 1, 1), (256, 128, 1, 8, 4, 1, 1),
-                        (128, 128, 1, 8, 6, 1, 0)],
+                        (128, 128, 1, 8, 6, 1, 0), (128, 128, 2, 8, 3, 1, 2), (256, 128, 2, 8, 3, 1, 2),
+                        (128, 256, 2, 8, 3, 1, 2)],
 }
 
 
@@ -86,11 +91,27 @@ def official_fp8(official, x, n, k):
     ws = torch.rand(-(-n // block), k // block, device="cuda") + 0.5
     kw = {"block_size": block} if block == 32 else {}
 
+    @bf16_default
     def run():
         a, s = official.act_quant(x, block, "ue8m0", torch.float32)
         return official.fp8_gemm(a, s, w, ws, torch.float32, **kw)
 
     return run, block
+
+
+def bf16_default(fn):
+    """fn run with bf16 as torch's default dtype, as the official generate.py runs the model (its GEMM wrappers
+    allocate their outputs in the default dtype, and the kernels write bf16)."""
+
+    def run():
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return fn()
+        finally:
+            torch.set_default_dtype(previous)
+
+    return run
 
 
 def pick(impls, official):
@@ -162,6 +183,7 @@ def official_experts(official, x, counts, weights, w1, w3, w2, limit):
         a, s = official.act_quant(rows, block, "ue8m0", torch.float32)
         return official.fp4_gemm(a, s, codes.view(torch.float4_e2m1fn_x2), scales, torch.float32, **kw)
 
+    @bf16_default
     def run():
         out, start = [], 0
         for e, c in enumerate(counts):
@@ -245,7 +267,7 @@ def sweep_fns(kind, S, n, k, c, E):
     pairs = [encode_fp4_packed(torch.randn(n, k, device="cuda") * k**-0.5) for _ in range(E)]
     codes, scales = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     x = torch.randn(S, k, device="cuda").bfloat16()
-    acts = {mma: kq._act_quant_t(x, qdq=bool(mma)) for mma in (0, 1)}
+    acts = {mma: kq._act_quant_t(x, qdq=bool(mma)) for mma in (0, 1, 2)}
     ones = torch.ones(S, device="cuda")
     u8 = codes.view(torch.uint8), scales.view(torch.uint8)
     swiglu = (*u8, ones, 10.0) if kind == "swiglu_prefill" else None

@@ -70,8 +70,9 @@ def test_act_quant_matches_the_reference_bit_for_bit(m, k):
     assert torch.equal(scales.cpu(), ref_scales)
 
 
-# kernel configurations (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K, MMA_BF16): both MMA paths
-FP8_MMA, BF16_MMA = (128, 128, 2, 8, 3, 1, 0), (128, 128, 2, 8, 3, 1, 1)
+# kernel configurations (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K, MMA): the three MMA paths (FP8; bf16;
+# bf16 with the decoded weight tile as the left operand)
+FP8_MMA, BF16_MMA, SWAP_MMA = (128, 128, 2, 8, 3, 1, 0), (128, 128, 2, 8, 3, 1, 1), (128, 128, 2, 8, 3, 1, 2)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +80,8 @@ FP8_MMA, BF16_MMA = (128, 128, 2, 8, 3, 1, 0), (128, 128, 2, 8, 3, 1, 1)
     [
         (300, 200, 320, None),  # ragged N (partial weight block), K not a multiple of 128
         (300, 200, 320, FP8_MMA),
+        (300, 200, 320, SWAP_MMA),
+        (5, 200, 320, (16, 64, 2, 4, 3, 3, 2)),  # a few rows on the narrow side, split K
         (64, 96, 200, (64, 32, 2, 4, 3, 3, 1)),  # ragged K (partial 32-group), split K
         (64, 96, 200, (64, 32, 2, 4, 3, 3, 0)),
         (256, 256, 512, BF16_MMA),  # tiles inside N and K: the unmasked weight loads
@@ -86,6 +89,7 @@ FP8_MMA, BF16_MMA = (128, 128, 2, 8, 3, 1, 0), (128, 128, 2, 8, 3, 1, 1)
         (1, 512, 5120, None),  # decode, released wkv shape, split K by default
         (512, 5120, 8192, None),  # released wo_b shape
         (512, 5120, 8192, FP8_MMA),
+        (512, 5120, 8192, SWAP_MMA),
     ],
 )
 def test_fp8_linear_against_fp64_on_the_same_fp8_operands(m, n, k, config):
@@ -130,6 +134,8 @@ COUNTS = [0, 37, 128, 0, 5, 200, 1, 0]  # ragged, empty experts included (first 
         (96, 160, (64, 64, 1, 4, 3, 1, 0)),
         (128, 256, None),  # tiles inside N and K: the unmasked weight loads
         (128, 256, (64, 64, 2, 4, 3, 1, 0)),
+        (96, 160, SWAP_MMA),
+        (128, 256, SWAP_MMA),
     ],
 )
 def test_fp4_grouped_gemm_against_fp64(n, k, config):
@@ -171,6 +177,8 @@ def reference_experts(x, counts, weights, w1, w3, w2, limit):
     [
         (COUNTS, 256, 160, 1.0, (None, None)),
         (COUNTS, 256, 160, 1.0, ((128, 64, 1, 8, 3, 1, 0), FP8_MMA)),
+        (COUNTS, 256, 160, 1.0, ((128, 64, 2, 4, 3, 1, 2), SWAP_MMA)),
+        ([150, 0, 300, 77], 5120, 2304, 10.0, ((128, 128, 2, 8, 3, 1, 2), SWAP_MMA)),
         ([150, 0, 300, 77], 5120, 2304, 10.0, (None, None)),  # released shapes
     ],
 )
