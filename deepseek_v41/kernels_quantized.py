@@ -221,8 +221,6 @@ if triton is not None:
         which Hopper's wgmma reads from registers (no store of the decoded tile to shared memory and no fence before
         each MMA), and a few rows (decode) fill the MMA's narrow side.
         EVEN: K is a multiple of 32 * SUB and N of BLOCK_N, so only the rows need masks."""
-        MMA_BF16 = MMA >= 1
-        SWAP = MMA == 2
         g, m0, m_end, n0 = _tile(tl.program_id(0), M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED,
                                  BLOCK_M, BLOCK_N, GROUP_M)
         if m0 < m_end:
@@ -234,7 +232,7 @@ if triton is not None:
             a_rows = a_ptr + offs_m[:, None].to(tl.int64) * K
             b_base = b_ptr + g.to(tl.int64) * stride_bg
             bs_base = bs_ptr + g.to(tl.int64) * stride_bsg
-            if SWAP:  # the transposed tile [BLOCK_N, BLOCK_M], transposed back after the K loop
+            if MMA == 2:  # the transposed tile [BLOCK_N, BLOCK_M], transposed back after the K loop
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -257,24 +255,24 @@ if triton is not None:
                         a_mask = m_live[:, None] & (kb < kb_end) & (kb * 32 + k32[None, :] < K)
                     a = tl.load(a_rows + kb * 32 + k32[None, :], mask=a_mask, other=0.0)
                     b, sb = _b_block(b_base, bs_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
-                                     BS_E8M0, BS_ROWS, MMA_BF16, EVEN)
-                    if SWAP:
+                                     BS_E8M0, BS_ROWS, MMA >= 1, EVEN)
+                    if MMA == 2:
                         acc = tl.dot(b, tl.trans(a), acc)
-                    elif MMA_BF16:
+                    elif MMA >= 1:
                         acc = tl.dot(a, tl.trans(b), acc)
                     else:
                         sa = tl.load(as_ptr + kb.to(tl.int64) * M + offs_m, mask=m_live & (kb < kb_end), other=0.0)
                         acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
                     if SWIGLU:
                         b2, sb2 = _b_block(b2_base, bs2_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
-                                           BS_E8M0, BS_ROWS, MMA_BF16, EVEN)
-                        if SWAP:
+                                           BS_E8M0, BS_ROWS, MMA >= 1, EVEN)
+                        if MMA == 2:
                             acc2 = tl.dot(b2, tl.trans(a), acc2)
-                        elif MMA_BF16:
+                        elif MMA >= 1:
                             acc2 = tl.dot(a, tl.trans(b2), acc2)
                         else:
                             acc2 += tl.dot(a, tl.trans(b2)) * (sa[:, None] * sb2[None, :])
-            if SWAP:
+            if MMA == 2:
                 acc = tl.trans(acc)
                 if SWIGLU:
                     acc2 = tl.trans(acc2)

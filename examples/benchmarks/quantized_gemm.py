@@ -65,8 +65,7 @@ SWEEP = {  # (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K, MMA): MMA 0 FP8, 1 
                      (64, 64, 2, 4, 6, 1, 1), (64, 64, 2, 4, 6, 0, 0), (16, 64, 2, 4, 4, 0, 2),
                      (16, 128, 2, 4, 4, 0, 2), (32, 64, 4, 4, 4, 0, 2), (16, 64, 4, 4, 3, 0, 2)],
     "swiglu_prefill": [(256, 64, 2, 8, 3, 1, 1), (128, 64, 2, 8, 4, 1, 1), (128, 128, 1, 8, 4, 1, 1),
-                       (128, 64, 1, 8, 6, 1, 0), (128, 128, 2, 8, 3, 1, 2), (256, 128, 2, 8, 3, 1, 2),
-                       (128, 64, 2, 4, 3, 1, 2)],
+                       (128, 64, 1, 8, 6, 1, 0), (128, 128, 2, 8, 3, 1, 2), (128, 64, 2, 4, 3, 1, 2)],
     "grouped_prefill": [(256, 128, 2, 8, 3, 1, 1), (128, 128, 2, 8, 4, 1, 1), (256, 128, 1, 8, 4, 1, 1),
                         (128, 128, 1, 8, 6, 1, 0), (128, 128, 2, 8, 3, 1, 2), (256, 128, 2, 8, 3, 1, 2),
                         (128, 256, 2, 8, 3, 1, 2)],
@@ -334,7 +333,7 @@ def ptxas_report():
                        if ty.startswith("*") or name in ("M", "N", "K", "stride_bg", "stride_bn", "stride_bsg")]
             constexprs = {"B_FP4": fp4, "BS_E8M0": True, "BS_ROWS": 1 if fp4 else 32, "GROUPED": fp4,
                           "SWIGLU": swiglu, "BLOCK_M": bm, "BLOCK_N": bn, "SUB": sub, "SPLIT_K": max(split, 1),
-                          "MMA_BF16": bool(mma), "EVEN": True, "GROUP_M": 8}
+                          "MMA": int(mma), "EVEN": True, "GROUP_M": 8}
             sig.update(dict.fromkeys(constexprs, "constexpr"))
             src = ASTSource(fn=kq._scaled_gemm_kernel, signature=sig, constexprs=constexprs,
                             attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
