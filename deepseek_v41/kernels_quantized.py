@@ -26,18 +26,22 @@ block (architecture.md §4, §6).  These functions do the same on the GPU withou
 ``quantized_gemm_usable(x)`` says whether these kernels can run for ``x`` (CUDA, Triton, FP8 tensor cores: compute
 capability 8.9 or newer).  Elsewhere the callers (``kept.py``) decode one weight tile at a time instead.
 
-How the 32-wide K blocks are honoured (``MMA_BF16`` in a kernel configuration picks one of two ways):
+How the 32-wide K blocks are honoured (``MMA`` in a kernel configuration picks the way):
 
 * FP8 MMA: an FP8 tensor-core MMA on Hopper consumes K=32 per instruction, so each 32-block's partial product comes
   out of its own ``tl.dot`` and is promoted into the fp32 accumulator with the product of its two power-of-two
   scales: one FFMA per output element per 32 inputs, as many CUDA-core cycles as the tensor core spends on the
   block.  With the loop's other work the issue slots bound it, not the tensor core (ptxas, 128x128 tile: 153
   instructions per thread per 32-block, ~2.4x the MMA's cycles).
-* bf16 MMA (the default): every operand value is a short code times a power of two, exact in bf16 (E4M3 and E2M1
+* bf16 MMA: every operand value is a short code times a power of two, exact in bf16 (E4M3 and E2M1
   have 3 and 1 mantissa bits).  The activations are quantized to FP8 exactly as above and stored as their bf16
   values; the weight tiles are decoded to bf16 in registers (code times scale, one multiply per weight element per
   row tile); one bf16 MMA chain accumulates in fp32 over all of K.  The products are the same exact numbers as the
-  FP8 MMA's; only the fp32 summation order differs, and no promotion step stalls the tensor core.
+  FP8 MMA's; only the fp32 summation order differs, and no promotion step stalls the tensor core.  MMA 2 (the
+  default for more than 64 rows) multiplies the transposed tile, the decoded weight tile on the left: Hopper's
+  wgmma takes its left operand from registers, so the decoded tile skips the trip through shared memory.
+  Measured on an H100 (quantized_gemm.py): 0.45-0.5x our bf16 GEMM at prefill for both formats, i.e. Triton's
+  register-decoded operand path, not the bytes, bounds them there.
 
 Both read the weights in their stored bytes (half or a quarter of bf16), which is what decode is bound by.
 """
@@ -289,23 +293,22 @@ if triton is not None:
                      mask=m_live[:, None] & n_live[None, :])
 
 
-# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA_BF16) per workload and rows per weight ("decode" up to
-# 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA_BF16 1: the bf16 MMA
-# on decoded tiles, 0: the FP8 MMA with a promotion per 32-block.  Chosen without timings (no GPU time was left),
-# from what ptxas makes of them for sm_90 (examples/benchmarks/results/quantized_gemm_ptxas_sm90.txt): no spills;
-# at 256x128 the main loop issues 230 (FP8 weights) or 376 (FP4) instructions per thread per 64 K, 460 or 752
-# issue cycles for the CTA's 8 warps against 1024 cycles of bf16 MMA, so the tensor core should bound it; the FP8
-# MMA path at 128x128 issues 153 per 32 K, 306 cycles against 128 of FP8 MMA.  quantized_gemm.py --sweep times them.
+# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("decode" up to 64,
+# "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA 0: the FP8 MMA with a
+# promotion per 32-block, 1: the bf16 MMA on decoded tiles, 2: the same with the decoded weight tile as the left
+# operand.  Prefill and medium: the fastest of quantized_gemm.py --sweep on an H100 (MMA 2 at 256x128 ahead of
+# MMA 1 by 10-15 %, of the FP8 MMA by 15-40 %; examples/benchmarks/results/quantized_gemm_h100.txt); decode: the
+# fastest at one row (timings there are launch-bound).
 CONFIGS = {
     "dense_decode": (64, 64, 2, 4, 6, 0, 1),
-    "dense_medium": (128, 128, 2, 8, 4, 1, 1),
-    "dense_prefill": (256, 128, 2, 8, 3, 1, 1),
+    "dense_medium": (128, 128, 2, 8, 3, 1, 2),
+    "dense_prefill": (256, 128, 2, 8, 3, 1, 2),
     "grouped_decode": (64, 64, 2, 4, 6, 1, 1),
-    "grouped_medium": (128, 128, 2, 8, 4, 1, 1),
-    "grouped_prefill": (256, 128, 2, 8, 3, 1, 1),
+    "grouped_medium": (128, 128, 2, 8, 3, 1, 2),
+    "grouped_prefill": (256, 128, 2, 8, 3, 1, 2),
     "swiglu_decode": (64, 32, 2, 4, 6, 1, 1),
-    "swiglu_medium": (128, 64, 2, 8, 4, 1, 1),
-    "swiglu_prefill": (256, 64, 2, 8, 3, 1, 1),
+    "swiglu_medium": (128, 64, 2, 4, 3, 1, 2),
+    "swiglu_prefill": (128, 64, 2, 4, 3, 1, 2),
 }
 
 

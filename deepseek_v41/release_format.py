@@ -59,9 +59,13 @@ def released_format(name: str, shape: tuple[int, ...] = ()) -> tuple[str, torch.
     return "plain", torch.bfloat16
 
 
-def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """UE8M0 scale bytes -> fp32 multipliers 2^(e-127); F32 scales (older releases) pass through."""
+def e8m0_to_float(scale: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """UE8M0 scale bytes -> fp32 multipliers 2^(e-127); F32 scales (older releases) pass through.  ``check``:
+    refuse NaN / negative / infinite scales, a read back to the host; kept weights, whose scales the loader checked
+    once, pass False on their hot path (a decode step captured as a CUDA graph cannot read back)."""
     if scale.dtype == torch.float32:
+        if not check:
+            return scale
         valid = (scale >= 0) & (scale < torch.inf)  # NaN fails both comparisons
         if not bool(valid.all()):
             raise ValueError(f"F32 scale holds {scale[~valid][:3].tolist()}: scales are non-negative and finite; "
@@ -69,7 +73,7 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
         return scale
     if scale.dtype != torch.float8_e8m0fnu:
         raise TypeError(f"scale dtype {scale.dtype} is neither float8_e8m0fnu (UE8M0) nor float32")
-    if bool((scale.view(torch.uint8) == 255).any()):
+    if check and bool((scale.view(torch.uint8) == 255).any()):
         raise ValueError("UE8M0 scale contains the NaN byte 255: the checkpoint is corrupted")
     return scale.float()
 
@@ -140,18 +144,19 @@ def _decode_codes(
     shape: tuple[int, int],
     dtype: torch.dtype,
     out: torch.Tensor | None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Gather the `kind` table (see `_code_table`) at codes, then scale each group of `group` columns.
 
     codes [r, k] uint8 (k = c, or c/2 for packed pairs); row_scale
     [r, ceil(c/group)] fp32/UE8M0, one scale row per output row; result [r, c] = `shape`.
-    Writes into `out` when given (dtype taken from it).
+    Writes into `out` when given (dtype taken from it).  `check`: see `e8m0_to_float`.
     """
     if out is not None and tuple(out.shape) != tuple(shape):
         raise ValueError(f"out has shape {tuple(out.shape)}, the decoded tensor {tuple(shape)}")
     dtype = out.dtype if out is not None else dtype
     work = _work_dtype(dtype, row_scale)
-    scale = e8m0_to_float(row_scale).to(device=codes.device, dtype=work)
+    scale = e8m0_to_float(row_scale, check).to(device=codes.device, dtype=work)
     direct = out is not None and out.dtype == work and out.device == codes.device and out.is_contiguous()
     dest = out if direct else torch.empty(shape, dtype=work, device=codes.device)
     table = _code_table(kind, work, codes.device)
@@ -168,10 +173,11 @@ def _decode_codes(
 
 
 def decode_fp8_row_scaled(
-    q: torch.Tensor, row_scale: torch.Tensor, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
+    q: torch.Tensor, row_scale: torch.Tensor, group: int, dtype: torch.dtype, out: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     # q [r, c] E4M3, row_scale [r, ceil(c/group)] (one scale row per q row) -> [r, c]
-    return _decode_codes(q.view(torch.uint8), "e4m3", row_scale, group, tuple(q.shape), dtype, out)
+    return _decode_codes(q.view(torch.uint8), "e4m3", row_scale, group, tuple(q.shape), dtype, out, check)
 
 
 def take_rows(scale: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -241,6 +247,7 @@ def decode_fp4_packed(
     *,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """FP4 expert weight packed [out, in/2] I8/U8 with scales [out, ceil(in/group)] -> W [out, in] in `dtype`.
 
@@ -255,7 +262,7 @@ def decode_fp4_packed(
     if tuple(scale.shape) != expected:
         raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not match packed weight "
                          f"{tuple(packed.shape)} (unpacked {list(shape)}): expected {expected}")
-    return _decode_codes(packed.view(torch.uint8), "e2m1x2", scale, group, shape, dtype, out)
+    return _decode_codes(packed.view(torch.uint8), "e2m1x2", scale, group, shape, dtype, out, check)
 
 
 def _pow2_scale_exponent(amax: torch.Tensor, level_max: float) -> torch.Tensor:
