@@ -27,6 +27,7 @@ changed without changing the size (a damaged disk or transfer) fail naming the s
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -214,7 +215,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorRecord]:
         records[name] = TensorRecord(name, path, dtype, shape, data_start + begin, end - begin)
         spans.append((begin, end, name))
     spans.sort()
-    for (begin, end, name), (next_begin, next_end, next_name) in zip(spans, spans[1:]):
+    for (begin, end, name), (next_begin, next_end, next_name) in itertools.pairwise(spans):
         if next_begin < end:
             raise CheckpointError(f"{path}: tensors {name!r} (bytes [{begin}, {end}]) and {next_name!r} (bytes "
                                   f"[{next_begin}, {next_end}]) overlap (corrupted header); re-download this shard")
@@ -825,7 +826,8 @@ def load_checkpoint_into_model(
     `dequantize_base_checkpoint=False` keeps the stored formats: FP8/FP4 codes and their scales are copied, row
     block by row block, into the kept modules that `kept.keep_release_formats` put in the meta-device model
     (a floating-point target of a quantized tensor is refused, except the Engram parts `kept.held_dequantized`
-    names); an Engram module with `load_kept_table` receives its table's codes and scales as stored.
+    names); an Engram table held in the stored format gets its codes and scales copied in block by block, and an
+    Engram module of another kind with `load_kept_table` receives them whole, as stored.
     `check_finite` (default: on, or `DEEPSEEK_V41_CHECK_FINITE`) checks every decoded block finite (kept codes:
     no NaN FP8 code, no NaN UE8M0 scale); `verify_checksums` (default: on, or `DEEPSEEK_V41_VERIFY_CHECKSUMS`)
     compares each shard with the checksum its index records (exports of ours), before the first tensor is read.
@@ -849,8 +851,13 @@ def load_checkpoint_into_model(
             for assignment in by_file[file]:
                 stored = checkpoint.tensors[assignment.released]
                 if assignment.table:
-                    codes, scale = checkpoint.read_stored(assignment.released)
-                    model.get_submodule(assignment.target_name).load_kept_table(codes, scale)
+                    engram = model.get_submodule(assignment.target_name)
+                    table = getattr(engram, "embed", None)
+                    if _table_held_as_stored(table, stored):  # streamed into its buffers block by block
+                        checkpoint.copy_stored(assignment.released, table.weight, table.scale)
+                    else:  # an Engram of another kind takes the table whole, as stored
+                        codes, scale = checkpoint.read_stored(assignment.released)
+                        engram.load_kept_table(codes, scale)
                 elif assignment.kept:
                     target = targets[assignment.target_name]
                     scale = targets[scale_name(assignment.target_name)]
@@ -864,6 +871,14 @@ def load_checkpoint_into_model(
                 report.loaded.append(assignment.released)
                 bar.update(_stored_bytes(stored))
     return report
+
+
+def _table_held_as_stored(table, stored: StoredTensor) -> bool:
+    # an Engram table already allocated in the stored format (keep_release_formats, then to_empty; on the GPU or in
+    # host memory), with the stored scale dtype: the loader copies codes and scales into it like any kept tensor
+    return (getattr(table, "kept", False) and not table.weight.is_meta
+            and tuple(table.weight.shape) == tuple(stored.shape)
+            and table.scale.dtype == SAFETENSORS_DTYPES[stored.scale.dtype])
 
 
 def _stored_bytes(stored: StoredTensor) -> int:

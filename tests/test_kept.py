@@ -328,16 +328,52 @@ def test_loading_kept_into_a_model_without_kept_modules_is_refused():
         load_checkpoint_into_model(model, snapshot(), dequantize_base_checkpoint=False)
 
 
-def test_engram_tables_go_to_load_kept_table(monkeypatch):
-    """The contract with Engram: in a kept load, a module with ``load_kept_table`` receives its table's codes
-    (float8 [rows, d]) and scales ([rows, d/32]) as stored; its ``wkv`` is then kept too."""
+def test_engram_tables_stream_into_their_stored_format_buffers(monkeypatch):
+    """A kept load streams each Engram table into the buffers keep_release_formats allocated in the stored format,
+    block by block like every kept tensor (no whole-table read, no second copy): the held codes and scales are the
+    snapshot's bytes, and its ``wkv`` is kept too."""
+    import deepseek_v41.checkpoint as checkpoint_module
+    from deepseek_v41.checkpoint import ReleasedCheckpoint
+
+    def whole_read(self, name):
+        raise AssertionError(f"{name} read whole")
+
+    reads = []
+    read_raw = ReleasedCheckpoint.read_raw
+
+    def counting_read_raw(self, record, rows=None):
+        reads.append((record.shape, rows))
+        return read_raw(self, record, rows)
+
+    monkeypatch.setattr(ReleasedCheckpoint, "read_stored", whole_read)
+    monkeypatch.setattr(ReleasedCheckpoint, "read_raw", counting_read_raw)
+    monkeypatch.setattr(checkpoint_module, "LOAD_BLOCK_BYTES", 4096)  # several blocks per table
+    model = DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16)
+    checkpoint, _ = quantized_tensors()
+    for layer in (1, 4):
+        table = model.layers[layer].engram.embed
+        t = checkpoint.tensors[f"layers.{layer}.engram.embed.weight"]
+        assert table.weight.dtype == torch.float8_e4m3fn and table.scale.dtype == torch.float8_e8m0fnu
+        assert raw_bytes(table.weight) == raw_bytes(read_raw(checkpoint, t.record))
+        assert raw_bytes(table.scale) == raw_bytes(read_raw(checkpoint, t.scale))
+        blocks = [rows for shape, rows in reads if tuple(shape) == tuple(t.record.shape)]
+        assert len(blocks) > 1 and all(rows is not None for rows in blocks), blocks
+        assert isinstance(model.layers[layer].engram.wkv, KeptFp8Linear)
+
+
+def test_engram_without_stored_format_buffers_gets_its_table_whole(monkeypatch):
+    """The other side of the contract: an Engram whose table is not held in the stored format before the load
+    receives the table's codes (float8 [rows, d]) and scales ([rows, d/32]) as stored through load_kept_table."""
+    from deepseek_v41.engram_host import EngramTable
+
     received = {}
 
     def load_kept_table(self, codes, scale):
         received[self.layer] = (codes, scale)
 
     monkeypatch.setattr(Engram, "load_kept_table", load_kept_table, raising=False)
-    model = DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16)
+    monkeypatch.setattr(EngramTable, "keep_format", lambda self, scale_dtype=None: None)  # tables stay floating
+    DeepseekV41ForCausalLM.from_pretrained(snapshot(), dtype=torch.bfloat16)
     checkpoint, _ = quantized_tensors()
     assert sorted(received) == [1, 4]
     for layer, (codes, scale) in received.items():
@@ -345,7 +381,6 @@ def test_engram_tables_go_to_load_kept_table(monkeypatch):
         assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu
         assert raw_bytes(codes) == raw_bytes(checkpoint.read_raw(t.record))
         assert raw_bytes(scale) == raw_bytes(checkpoint.read_raw(t.scale))
-        assert isinstance(model.layers[layer].engram.wkv, KeptFp8Linear)
 
 
 # ----------------------------------------------------------------------------------------------------
