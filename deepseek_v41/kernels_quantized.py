@@ -40,8 +40,8 @@ How the 32-wide K blocks are honoured (``MMA`` in a kernel configuration picks t
   FP8 MMA's; only the fp32 summation order differs, and no promotion step stalls the tensor core.  MMA 2 (the
   default for more than 64 rows) multiplies the transposed tile, the decoded weight tile on the left: Hopper's
   wgmma takes its left operand from registers, so the decoded tile skips the trip through shared memory.
-  Measured on an H100 (quantized_gemm.py): 0.45-0.5x our bf16 GEMM at prefill for both formats, i.e. Triton's
-  register-decoded operand path, not the bytes, bounds them there.
+  Measured (quantized_gemm.py, H100 and H200): 0.3-0.5x our bf16 GEMMs at prefill for both formats, activation
+  quantization included: Triton's path for a register-decoded operand, not the bytes, bounds them there.
 
 Both read the weights in their stored bytes (half or a quarter of bf16), which is what decode is bound by.
 """
@@ -370,7 +370,7 @@ def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_rows, config, strides, counts=None,
             swiglu=None):
-    """One ``_scaled_gemm_kernel`` launch: activations from ``_act_quant_t(x, qdq=config's MMA_BF16)`` x weight
+    """One ``_scaled_gemm_kernel`` launch: activations from ``_act_quant_t(x, qdq=config's MMA >= 1)`` x weight
     tiles -> [m, n]."""
     block_m, block_n, sub, warps, stages, split, mma = config
     m = a.shape[0]
