@@ -89,6 +89,25 @@ def random_table(rows: int, dim: int, device) -> tuple[torch.Tensor, torch.Tenso
     return codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
 
 
+@torch.no_grad()
+def init_weights_except(model, skip) -> None:
+    """What the constructor's post_init does to a model materialized with ``to_empty``, for every module but those
+    ``skip(module)`` picks (held as stored, filled by the caller): ``_init_weights``, then zero the floating-point
+    tensors it leaves (the router's bias), as the constructor makes them."""
+    skipped = {id(t) for module in model.modules() if skip(module)
+               for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]}
+    plain = [t for t in [*model.parameters(), *model.buffers()]
+             if id(t) not in skipped and t.is_floating_point() and t.element_size() > 1]
+    for t in plain:
+        t.fill_(float("nan"))
+    for module in model.modules():
+        if not skip(module):
+            model._init_weights(module)
+    for t in plain:
+        if bool(torch.isnan(t).all()):
+            t.zero_()
+
+
 def build(args, device):
     """The model on ``device`` with every Engram table in two copies: {layer: {"gpu": table, "host": table}}."""
     from deepseek_v41.engram_host import EngramTable
@@ -103,17 +122,7 @@ def build(args, device):
     for engram in engrams:
         engram.keep_table_format()
     model.to_empty(device=device)
-    plain = [t for name, t in [*model.named_parameters(), *model.named_buffers()] if ".engram.embed." not in name
-             and t.is_floating_point() and t.element_size() > 1]
-    with torch.no_grad():
-        for t in plain:
-            t.fill_(float("nan"))
-        for module in model.modules():  # what the constructor's post_init does, the tables left out (filled below)
-            if not isinstance(module, EngramTable):
-                model._init_weights(module)
-        for t in plain:  # what _init_weights leaves (the router's bias): zero, as the constructor makes it
-            if bool(torch.isnan(t).all()):
-                t.zero_()
+    init_weights_except(model, lambda module: isinstance(module, EngramTable))  # the tables are filled below
     tables = {}
     for engram in engrams:
         table = engram.embed

@@ -44,6 +44,7 @@ guarded: an error is printed and the run goes on.
 import argparse
 import functools
 import gc
+import math
 import statistics
 import sys
 import traceback
@@ -54,7 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import header, synchronize, time_steps, tiny_text_config, tokenizer
-from engram_host import timed
+from engram_host import init_weights_except, timed
 from train_step import proxy_config
 
 from deepseek_v41 import DeepseekV41Config
@@ -113,10 +114,7 @@ def speed_config(args, device) -> DeepseekV41Config:
 
 
 def _record(name: str, dtype: torch.dtype, shape: tuple) -> TensorRecord:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return TensorRecord(name, STAND_IN, SAFETENSORS_NAMES[dtype], tuple(shape), 0, numel * dtype.itemsize)
+    return TensorRecord(name, STAND_IN, SAFETENSORS_NAMES[dtype], tuple(shape), 0, math.prod(shape) * dtype.itemsize)
 
 
 def released_snapshot(model) -> dict:
@@ -162,8 +160,8 @@ def is_kept_module(module) -> bool:
 
 @torch.no_grad()
 def fill_random_(model) -> None:
-    """Kept codes and scales: random valid bytes (see the module docstring); the rest: ``_init_weights`` (what the
-    constructor's post_init does, kept modules left out), then zero what it leaves (the router's bias)."""
+    """Kept codes and scales: random valid bytes (see the module docstring); the rest as the constructor makes it
+    (``engram_host.init_weights_except``)."""
     for module in model.modules():
         if not is_kept_module(module):
             continue
@@ -175,15 +173,7 @@ def fill_random_(model) -> None:
                 raw.random_(0, 256)  # any E2M1 pair is a number
                 if t.dtype == torch.float8_e4m3fn:
                     raw.bitwise_and_(0xBF)  # exponent field <= 7: |value| <= 1.875, never the NaN code
-    plain = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point() and t.element_size() > 1]
-    for t in plain:
-        t.fill_(float("nan"))
-    for module in model.modules():
-        if not is_kept_module(module):
-            model._init_weights(module)
-    for t in plain:
-        if bool(torch.isnan(t).all()):
-            t.zero_()
+    init_weights_except(model, is_kept_module)
 
 
 def meta_built(config, dtype):
