@@ -80,7 +80,7 @@ def test_multi_token_graph_equals_eager_and_columns(model):
 @torch.no_grad()
 def test_speculative_greedy_through_the_block_graph_equals_greedy():
     # bf16 and dequantized, the configuration whose steps are captured: in fp32, torch 2.11's _grouped_mm reads its
-    # offsets back to the host (measured on the H100: "called a synchronizing CUDA operation" in the experts), and
+    # offsets back to the host (seen on an H100 and traced to the experts on an H200: "called a synchronizing CUDA operation"), and
     # the kept formats' tile fallback reads its expert counts, so those steps run eagerly (logged); kept models are
     # covered by test_kept_gpu.  The multi-token step equals the columns' argmax in bf16 (test above)
     model = DeepseekV41ForCausalLM.from_pretrained(golden_dir(DSPARK_FIXTURE) / "snapshot", dtype=torch.bfloat16,
