@@ -38,6 +38,7 @@ import torch
 from gpu_timing import report, time_ms
 
 from deepseek_v41 import kernels_quantized as kq
+from deepseek_v41.modeling_deepseek_v41 import default_dtype
 from deepseek_v41.moe import RoutedExperts
 from deepseek_v41.release_format import (
     decode_fp4_packed,
@@ -90,27 +91,12 @@ def official_fp8(official, x, n, k):
     ws = torch.rand(-(-n // block), k // block, device="cuda") + 0.5
     kw = {"block_size": block} if block == 32 else {}
 
-    @bf16_default
+    @default_dtype(torch.bfloat16)  # as the official generate.py runs: its wrappers allocate outputs in it
     def run():
         a, s = official.act_quant(x, block, "ue8m0", torch.float32)
         return official.fp8_gemm(a, s, w, ws, torch.float32, **kw)
 
     return run, block
-
-
-def bf16_default(fn):
-    """fn run with bf16 as torch's default dtype, as the official generate.py runs the model (its GEMM wrappers
-    allocate their outputs in the default dtype, and the kernels write bf16)."""
-
-    def run():
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            return fn()
-        finally:
-            torch.set_default_dtype(previous)
-
-    return run
 
 
 def pick(impls, official):
@@ -182,7 +168,7 @@ def official_experts(official, x, counts, weights, w1, w3, w2, limit):
         a, s = official.act_quant(rows, block, "ue8m0", torch.float32)
         return official.fp4_gemm(a, s, codes.view(torch.float4_e2m1fn_x2), scales, torch.float32, **kw)
 
-    @bf16_default
+    @default_dtype(torch.bfloat16)  # as the official generate.py runs: its wrappers allocate outputs in it
     def run():
         out, start = [], 0
         for e, c in enumerate(counts):
