@@ -52,12 +52,17 @@ def unusable_reason(model, cache, input_ids: torch.Tensor, key=(1, False)) -> st
         raise ValueError(f"decode_graph={mode!r}: use one of {MODES}")
     if mode == "off" or not input_ids.is_cuda or not cache.is_static:
         return ""
-    if torch.is_grad_enabled():
-        return "gradients are enabled: a captured step runs under torch.no_grad() or torch.inference_mode()"
     if isinstance(cache.graphs.get(key), str):
         return cache.graphs[key]
     if any(layer.engram is not None and layer.engram.embed.held_on_host for layer in model.layers):
         return "the Engram tables are in host memory (engram_device='cpu'): each step gathers its rows on the host"
+    return model_capture_reason(model)
+
+
+def model_capture_reason(model) -> str | None:
+    """Why no call of this model can be captured now (None: it can)."""
+    if torch.is_grad_enabled():
+        return "gradients are enabled: a captured step runs under torch.no_grad() or torch.inference_mode()"
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
         return f"the model is spread over {len(devices)} devices"
@@ -109,40 +114,46 @@ class DecodeGraph:
         return self.body(self.input_ids, self.cache, self.dspark)
 
     def _warm_up_and_capture(self, input_ids):
-        current = torch.cuda.current_stream(input_ids.device)
         self.input_ids = input_ids.to(torch.long).clone()
-        side = torch.cuda.Stream(input_ids.device)
-        side.wait_stream(current)
-        check_syncs = self.mode == "cuda_graph"  # Inductor may synchronize while it compiles
-        previous = torch.cuda.get_sync_debug_mode()
-        try:
-            with torch.cuda.stream(side):
-                if check_syncs:
-                    torch.cuda.set_sync_debug_mode("error")
-                try:
-                    outputs = self._run()
-                finally:
-                    torch.cuda.set_sync_debug_mode(previous)
-        except Exception as error:  # nothing advanced: the rows' advance is the step's last work
-            current.wait_stream(side)
-            raise CaptureError(f"its eager run failed: {first_line(error)}") from error
-        current.wait_stream(side)
-        result = fresh(outputs)  # on the current stream, after the side stream's step
-        for t in outputs:
-            if t is not None:
-                t.record_stream(current)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                self.outputs = self._run()
-        except Exception as error:
-            self.outputs = None
-            # the real step was done by the warm-up: its result stands, later steps run eagerly
-            reason = self.cache.graphs[(self.width, self.dspark)] = f"capturing failed: {first_line(error)}"
+        result, self.graph, self.outputs, failure = capture(self._run, input_ids.device, self.mode == "cuda_graph")
+        if failure:  # the real step was done by the warm-up: its result stands, later steps run eagerly
+            reason = self.cache.graphs[(self.width, self.dspark)] = failure
             log_fallback(reason)
-            return result
-        self.graph = graph
         return result
+
+
+def capture(run, device, check_syncs: bool = True):
+    """Run ``run()`` (-> a tuple of tensors or None) once eagerly on a side stream (the real call, and the warm-up
+    a capture needs), with host reads raising when ``check_syncs``; then capture it as a CUDA graph (capturing
+    runs nothing) -> (fresh copies of the eager outputs, the graph or None, the graph's output tensors or None,
+    why capturing failed or None).  Raises ``CaptureError`` when the eager run fails; nothing it wrote counts then."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        with torch.cuda.stream(side):
+            if check_syncs:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                outputs = run()
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+    except Exception as error:
+        current.wait_stream(side)
+        raise CaptureError(f"its eager run failed: {first_line(error)}") from error
+    current.wait_stream(side)
+    result = fresh(outputs)  # on the current stream, after the side stream's run
+    for t in outputs:
+        if t is not None:
+            t.record_stream(current)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            captured = run()
+    except Exception as error:  # noqa: BLE001 (any failure: the eager step stands, the reason is logged)
+        return result, None, None, f"capturing failed: {first_line(error)}"
+    return result, graph, captured, None
 
 
 def fresh(outputs):

@@ -140,6 +140,7 @@ class DSparkState:
     def __init__(self, stages: nn.ModuleList, window: int):
         self.rings = {stage.attn.layer: CSA2LayerCache(window, 0, False) for stage in stages}
         self.window, self.lengths = window, None
+        self.graph = None  # the greedy draft's DraftGraph on CUDA, or why it cannot be captured
 
     def add(self, stages: nn.ModuleList, main_hidden: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
         """Record main_hidden [b, n, targets·dim]: the first call seeds positions 0 .. n-1 (``lengths`` [b]: how many
@@ -206,7 +207,28 @@ def draft_block(model, state: DSparkState, next_tokens: torch.Tensor, pick=None)
     """Draft ``dspark_block_size`` tokens after ``next_tokens`` [b] (each row's token at position ``state.lengths``).
 
     ``pick(logits [b, vocab], i) -> tokens [b]`` chooses each drafted token (default: argmax, as the official code
-    at temperature 0); its choice selects the next position's Markov bias."""
+    at temperature 0); its choice selects the next position's Markov bias.  On CUDA the default (greedy) draft
+    runs as the state's CUDA graph (``DraftGraph``, per ``model.decode_graph``; not "off")."""
+    if pick is None:
+        from .decode_graph import log_fallback, model_capture_reason
+
+        reason = "" if model.decode_graph == "off" or not next_tokens.is_cuda else model_capture_reason(model)
+        if reason is None and isinstance(state.graph, str):
+            reason = state.graph
+        if reason is None:
+            if not isinstance(state.graph, DraftGraph) or state.graph.stale():
+                state.graph = DraftGraph(model, state)
+            draft = state.graph(next_tokens)
+            if draft is not None:
+                return draft
+            reason = state.graph = state.graph.failure
+        if reason:
+            log_fallback(f"DSpark draft: {reason}")
+    return DSparkDraft(*_draft(model, state.rings, state.window, state.lengths, next_tokens, pick))
+
+
+def _draft(model, rings: dict, window: int, lengths: torch.Tensor, next_tokens: torch.Tensor, pick=None):
+    # draft_block's work on tensors -> (tokens, logits, confidence, head_in, markov_embed), DSparkDraft's fields
     text = model.config.text_config
     stages, B, hc = model.mtp, text.dspark_block_size, text.hc_mult
     b = next_tokens.shape[0]
@@ -216,10 +238,10 @@ def draft_block(model, state: DSparkState, next_tokens: torch.Tensor, pick=None)
     x = h.unsqueeze(2).expand(b, B, hc, h.shape[-1]).contiguous()
     pre = torch.zeros(b, B, hc, dtype=torch.float32, device=h.device)
     pre[..., 0] = 1.0
-    last = state.lengths - 1  # each row's newest main position: the ring's slots up to it are filled
-    ring_slots = CSA2LayerCache(state.window, 0, False).window_slots(last.unsqueeze(1))  # [b, 1, W]
-    step = DSparkStep({layer: ring.window_kv for layer, ring in state.rings.items()}, ring_slots,
-                      state.lengths.unsqueeze(1) + torch.arange(B, device=h.device))
+    last = lengths - 1  # each row's newest main position: the ring's slots up to it are filled
+    ring_slots = CSA2LayerCache(window, 0, False).window_slots(last.unsqueeze(1))  # [b, 1, W]
+    step = DSparkStep({layer: ring.window_kv for layer, ring in rings.items()}, ring_slots,
+                      lengths.unsqueeze(1) + torch.arange(B, device=h.device))
     for stage in stages:
         x, pre = stage(x, pre, step)
     final = stages[-1]
@@ -235,8 +257,51 @@ def draft_block(model, state: DSparkState, next_tokens: torch.Tensor, pick=None)
         embeds.append(embed)
     markov_embed = torch.stack(embeds, 1)
     confidence = final.confidence_head(collapsed, markov_embed)
-    return DSparkDraft(torch.stack(tokens, 1), logits, confidence, head_in, markov_embed)
+    return torch.stack(tokens, 1), logits, confidence, head_in, markov_embed
 
+
+class DraftGraph:
+    """A greedy ``draft_block`` of one ``DSparkState`` as a CUDA graph: the stages' few thousand small kernels in
+    one replay.  Captured at the first call (after an eager run that is the real draft); later calls copy the next
+    tokens and the state's lengths into the graph's input buffers and replay.  The rings are read where they are:
+    their buffers' addresses are part of the key, so a reallocation (``map_rows``), a batch of another size, a
+    moved or cast model or another ``decode_graph`` mode makes it stale (a new one is captured)."""
+
+    def __init__(self, model, state: DSparkState):
+        self.model, self.state = model, state
+        self.key = self._key()
+        self.next_tokens = self.lengths = self.graph = self.outputs = None
+        self.failure = None  # why capturing failed (then the caller drafts eagerly from now on)
+
+    def _key(self):
+        from .decode_graph import model_epoch
+
+        rings = tuple(ring.window_kv.data_ptr() for ring in self.state.rings.values())
+        return rings, tuple(self.state.lengths.shape), model_epoch(self.model), self.model.decode_graph
+
+    def stale(self) -> bool:
+        return self.key != self._key()
+
+    def _run(self):
+        return _draft(self.model, self.state.rings, self.state.window, self.lengths, self.next_tokens)
+
+    def __call__(self, next_tokens: torch.Tensor):
+        """next_tokens [b] -> DSparkDraft of fresh tensors, or None when the first call could not be captured
+        (``failure`` says why; the draft is then not made)."""
+        from .decode_graph import CaptureError, capture, fresh
+
+        if self.graph is not None:
+            self.next_tokens.copy_(next_tokens)
+            self.lengths.copy_(self.state.lengths)
+            self.graph.replay()
+            return DSparkDraft(*fresh(self.outputs))
+        self.next_tokens, self.lengths = next_tokens.clone(), self.state.lengths.clone()
+        try:
+            result, self.graph, self.outputs, self.failure = capture(self._run, next_tokens.device)
+        except CaptureError as error:
+            self.failure = str(error)
+            return None
+        return DSparkDraft(*result)
 
 
 @dataclass
@@ -333,7 +398,7 @@ def speculative_generate(model, input_ids, attention_mask=None, max_new_tokens: 
 
     while not all(done) and min(len(p) for p in produced) < max_new_tokens:
         draft_probs = []
-        draft = draft_block(model, state, nxt, picker(draft_probs))
+        draft = draft_block(model, state, nxt, picker(draft_probs) if do_sample else None)  # greedy: a graph
         block = torch.cat([nxt.unsqueeze(1), draft.tokens], 1)  # [b, B+1] at each row's positions lengths..
         verify = model(block, past_key_values=cache, use_cache=True, output_dspark_hidden=True)
         if do_sample:

@@ -64,6 +64,19 @@ def tiny_text_config() -> dict:
             "dspark_target_layer_ids": []}
 
 
+def proxy_backend(args) -> dict:
+    """The GPU proxy's kernel backends: TileLang attention where it is installed (unless ``--torch-attention``),
+    ``torch._grouped_mm`` experts, and with ``--fused`` tile-kernels' mHC / Engram gate / quantization and the
+    Triton norm (fewer, larger kernels per step)."""
+    from deepseek_v41.kernels_tilelang import tilelang_available
+
+    backend = {"attn": "tilelang" if tilelang_available()[0] and not args.torch_attention else "torch",
+               "experts": "torch_mm"}
+    if args.fused:
+        backend.update(mhc="tile_kernels", engram="tile_kernels", quant="tile_kernels", rms_norm="triton")
+    return backend
+
+
 def build_model(args, device):
     from deepseek_v41.modeling_deepseek_v41 import DeepseekV41ForCausalLM, default_dtype
 
@@ -77,13 +90,7 @@ def build_model(args, device):
     else:
         from train_step import proxy_config
 
-        from deepseek_v41.kernels_tilelang import tilelang_available
-
-        backend = {"attn": "tilelang" if tilelang_available()[0] and not args.torch_attention else "torch",
-                   "experts": "torch_mm"}
-        if args.fused:  # tile-kernels' fused mHC / Engram gate / quantization and the Triton norm
-            backend.update(mhc="tile_kernels", engram="tile_kernels", quant="tile_kernels", rms_norm="triton")
-        config = proxy_config(backend)
+        config = proxy_config(proxy_backend(args))
         dtype = torch.bfloat16
     with torch.device(device), default_dtype(dtype):
         model = DeepseekV41ForCausalLM(config, tokenizer=tokenizer())

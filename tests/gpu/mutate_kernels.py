@@ -188,7 +188,11 @@ def run_tests(args, timeout: float) -> tuple[str, str]:
         summary = re.findall(r"^=* ?(\d+ passed.*?) ?=*$", text, flags=re.MULTILINE)
         return "PASS", summary[-1] if summary else "nothing passed"
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.MULTILINE)
-    return "FAIL", failed[0] if failed else text[-500:].replace("\n", " | ")
+    # --tb=line prints "path:line: Error: message": the error says what caught the mutant (a gate, or e.g. an
+    # out-of-memory error that would mean the run, not the test, failed)
+    errors = re.findall(r"^\S+\.py:\d+: (\w+(?:Error|Exception).*)$", text, flags=re.MULTILINE)
+    why = f" [{errors[0][:160]}]" if errors else ""
+    return "FAIL", (failed[0] + why) if failed else text[-500:].replace("\n", " | ")
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,8 @@
   replay runs the eager step's kernels, so its logits, DSpark input and cache are the eager step's bit for bit; the
   eager multi-token step against the same tokens fed column by column within the static cache's bf16 gates;
 * each width gets its own graph, captured once and replayed;
-* ``generate(use_dspark=True)`` on the DSpark fixture (fp32, static cache, graphs) gives plain greedy decoding's
+* the greedy draft (``dspark.DraftGraph``) replayed = the eager draft, bit for bit, across drafts and a row reorder;
+* ``generate(use_dspark=True)`` on the DSpark fixture (bf16, static cache, graphs) gives plain greedy decoding's
   tokens, its verifications through the (B + 1)-token graph.
 Needs a CUDA GPU; skips otherwise.
 """
@@ -97,3 +98,43 @@ def test_speculative_greedy_through_the_block_graph_equals_greedy():
     caches = list(model.__dict__["_static_caches"].values())
     verify = [c.graphs.get((B + 1, True)) for c in caches]
     assert any(isinstance(g, DecodeGraph) and g.graph is not None for g in verify), verify
+
+
+@torch.no_grad()
+def test_greedy_draft_graph_equals_eager_draft():
+    # draft_block's CUDA graph (dspark.DraftGraph) replays the eager draft's kernels: every output bit for bit, at
+    # each of several drafts with the state advanced between them by different counts per row (the rings written
+    # in place, the lengths copied in at each replay); map_rows reallocates the rings: a new graph is captured
+    from deepseek_v41.dspark import DraftGraph, DSparkState, draft_block
+
+    model = DeepseekV41ForCausalLM.from_pretrained(golden_dir(DSPARK_FIXTURE) / "snapshot", dtype=torch.bfloat16,
+                                                   dequantize_base_checkpoint=True).cuda().eval()
+    text = model.config.text_config
+    B, width = text.dspark_block_size, len(text.dspark_target_layer_ids) * text.hidden_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = DSparkState(model.mtp, text.sliding_window)
+    state.add(model.mtp, torch.randn(3, 40, width, device="cuda", generator=g, dtype=torch.bfloat16),
+              torch.tensor([40, 13, 27], device="cuda"))
+    tokens = torch.tensor([5, 900, 77], device="cuda")
+    graphs = []
+    for keep in ([1, 6, 3], [6, 2, 4], [2, 2, 6], [5, 1, 1]):
+        model.decode_graph = "off"
+        eager = draft_block(model, state, tokens)
+        model.decode_graph = "cuda_graph"
+        graph = draft_block(model, state, tokens)
+        graphs.append(state.graph)
+        for name in ("tokens", "logits", "confidence", "head_in", "markov_embed"):
+            assert torch.equal(getattr(graph, name), getattr(eager, name)), name
+        state.add_rows(model.mtp, torch.randn(3, B + 1, width, device="cuda", generator=g, dtype=torch.bfloat16),
+                       torch.tensor(keep, device="cuda"))
+        tokens = graph.tokens[:, -1]
+    assert all(isinstance(x, DraftGraph) and x.graph is not None for x in graphs)
+    assert all(x is graphs[0] for x in graphs)  # captured once, then replayed
+    state.map_rows(lambda t: t[[2, 0]])
+    assert state.graph.stale()
+    model.decode_graph = "off"
+    eager = draft_block(model, state, tokens[[2, 0]])
+    model.decode_graph = "cuda_graph"
+    again = draft_block(model, state, tokens[[2, 0]])
+    assert state.graph is not graphs[0] and state.graph.graph is not None
+    assert torch.equal(again.logits, eager.logits) and torch.equal(again.tokens, eager.tokens)
