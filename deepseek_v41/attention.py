@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .kept import KeptFp8Linear
+from .kernels_triton import index_scores_fits, index_scores_triton, inference_kernel_usable
 from .layers import Fp32Linear, FrozenLinear, is_plain_linear, make_fp32_linear, make_linear, make_rms_norm
 from .quantization import quant_ops
 from .rope import apply_rope, rope_cis, rope_frequencies
@@ -504,7 +505,10 @@ class Attention(nn.Module):
             if n_visible == 0:  # nothing compressed yet in any row
                 state.publish(self.layer, "topk", pos.new_empty((b, n, 0)))
             else:  # queries [1, b·n, ·] (the batch as the sequence) against each row's own keys -> [b, n, T]
-                score_fn = lambda q, w, k, ratio, query_offset: indexer_scores_torch(  # noqa: E731
-                    q.reshape(b, n, *q.shape[2:]), w.reshape(b, n, -1), k, ratio, visible)
+                def score_fn(q, w, k, ratio, query_offset):  # q [1, b·n, H, D] -> [b, n, T]
+                    q, w = q.reshape(b, n, *q.shape[2:]), w.reshape(b, n, -1)
+                    if inference_kernel_usable(q) and index_scores_fits(q):
+                        return index_scores_triton(q, w, k, visible)
+                    return indexer_scores_torch(q, w, k, ratio, visible)
                 self._publish_topk(state, xt, qr, cis, score_fn, visible)
         return state.read(self.kv_source, "compressed_kv")

@@ -22,6 +22,8 @@ the MoE combine and the experts' weighted SwiGLU.
   autograd (inference: the ``quant: torch`` boundaries use it on CUDA when no gradient is asked for).
 * ``split_sinkhorn_triton``: mHC's coefficient split and its 20 Sinkhorn rounds in one kernel, without autograd
   (inference: ``mhc.hc_split_sinkhorn`` uses it on CUDA when no gradient is asked for).
+* ``index_scores_triton``: a decode step's indexer scores (per-head products, ReLU, weighted sum, visibility) in
+  one kernel, without the fp32 [b, n, H, T] products eager writes and reads back.
 
 Triton ships with the CUDA builds of PyTorch; on CPU (or without Triton) the callers use eager PyTorch.
 """
@@ -316,6 +318,24 @@ if triton is not None:
             c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
         tl.store(comb_ptr + r64[:, None, None] * (HC * HC) + ij, c, mask=m3)
 
+    @triton.jit
+    def _index_scores_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, n, T, H: tl.constexpr, D: tl.constexpr,
+                             BT: tl.constexpr):
+        # one query row (b·n + j) x BT entries: q bf16 [b·n, H, D], w fp32 [b·n, H], k [b, T, D] (bf16 values),
+        # vis int64 [b·n] -> out fp32 [b·n, T] = sum_h w_h relu(q_h . k_t), -inf at t >= vis
+        row = tl.program_id(1)
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        h = tl.arange(0, H)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + row.to(tl.int64) * (H * D) + h[:, None] * D + d[None, :])
+        k_rows = k_ptr + (row // n).to(tl.int64) * T * D + t[:, None].to(tl.int64) * D + d[None, :]
+        keys = tl.load(k_rows, mask=(t < T)[:, None], other=0.0).to(q.dtype)  # [BT, D], bf16 (exact)
+        dots = tl.dot(q, tl.trans(keys))  # fp32 [H, BT]: bf16 products are exact, the sums fp32
+        w = tl.load(w_ptr + row.to(tl.int64) * H + h)
+        scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+        scores = tl.where(t < tl.load(vis_ptr + row), scores, float("-inf"))
+        tl.store(out_ptr + row.to(tl.int64) * T + t, scores, mask=t < T)
+
 
 def rope_kernel_fits(x: torch.Tensor, rd: int) -> bool:
     """Whether ``rope_rotate`` takes x [.., d] with rd rotated channels: contiguous, rd a power of two <= d."""
@@ -495,4 +515,32 @@ def qdq_triton(x: torch.Tensor, fmt: str) -> torch.Tensor:
     rows = 64
     _qdq_kernel[(max(1, triton.cdiv(n_blocks, rows)),)](flat, out, n_blocks, MODE=mode, BLOCK=block, R=rows,
                                                        num_warps=4)
+    return out
+
+
+def index_scores_fits(q: torch.Tensor) -> bool:
+    """The decode indexer kernel's shapes: q [b, n, H, D] with H and D powers of two >= 16 (tensor-core tiles)."""
+    H, D = q.shape[-2:]
+    return all(v >= 16 and v & (v - 1) == 0 for v in (H, D))
+
+
+def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, visible: torch.Tensor):
+    """``sparse_attention.indexer_scores_torch`` for a decode step, in one kernel: q [b, n, H, D], weights fp32
+    [b, n, H], index_k [b, T, D], visible [b, n] (entries each query sees) -> fp32 scores [b, n, T], -inf at
+    t >= visible.  Eager forms the per-head products [b, n, H, T] in fp32 and reads them three times (at batch 32
+    and 32k entries, 134 MB per pass and layer); here they stay in registers.  q and the keys hold MXFP4 values
+    (``quantization.fp4_qdq``: two-bit significands), exact in bf16: the products are exact on bf16 tensor cores
+    and only the fp32 summation order differs from eager's."""
+    b, n, H, D = q.shape
+    T = index_k.shape[1]
+    out = torch.empty(b, n, T, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out
+    rows = b * n
+    q16 = q.to(torch.bfloat16).contiguous()
+    block_t = 64
+    _index_scores_kernel[(triton.cdiv(T, block_t), rows)](
+        q16, weights.float().contiguous(), index_k.contiguous(), visible.reshape(rows).to(torch.int64).contiguous(),
+        out, n, T, H=H, D=D, BT=block_t, num_warps=4,
+    )
     return out

@@ -308,10 +308,16 @@ def main():
     parser.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kernel-table", help="append each profiled step's kernels by total time to this file")
     parser.add_argument("--torch-attention", action="store_true", help="prefill with attn torch even with tilelang")
+    parser.add_argument("--eager-indexer", action="store_true",
+                        help="decode steps score the indexer with eager PyTorch, not the Triton kernel (A/B)")
     parser.add_argument("--fused", action="store_true",
                         help="tile-kernels' mHC / Engram gate / quantization and the Triton norm (needs tile_kernels)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.eager_indexer:
+        import deepseek_v41.attention
+
+        deepseek_v41.attention.index_scores_fits = lambda q: False
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU (or run --device cpu)")
     cpu = device.type == "cpu"

@@ -92,6 +92,12 @@ MUTANTS = [
            "bf16x3 GEMM, one exact operand: the low half's product dropped"),
     Mutant("bf16x3_a_lo_term_dropped", LAYERS, "        a_parts.append(a_lo)\n        b_parts.append(b_hi)\n", "        pass\n",
            (f"{GPU}/test_gpu_model.py", "-k", "bf16x3 or emulated"), "bf16x3 GEMM: the a_lo x b_hi product dropped"),
+    Mutant("index_scores_no_relu", TRITON, "tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)",
+           "tl.sum(dots * w[:, None], axis=0)", (TRITON_TESTS, "-k", "index_scores"),
+           "decode indexer: ReLU of the per-head products dropped"),
+    Mutant("index_scores_visible_off_by_one", TRITON, "tl.where(t < tl.load(vis_ptr + row), scores",
+           "tl.where(t <= tl.load(vis_ptr + row), scores", (TRITON_TESTS, "-k", "index_scores"),
+           "decode indexer: one entry too many visible"),
     # Triton: AdamW
     Mutant("adamw_no_decay", ADAMW, "        master = master * decay\n", "", (f"{GPU}/test_optim_fused_gpu.py",),
            "AdamW: weight decay not applied"),

@@ -1,7 +1,7 @@
 """The Triton kernels (``kernels_triton``) on the GPU: RoPE bit-identical to the eager rotation, the
 ``rms_norm: triton`` backend against an fp64 reference, no less accurate than the eager ``torch_fp32`` norm, the
 fused loss, the MoE gather-and-sum and the weighted SwiGLU against their eager forms, mHC's one-kernel Sinkhorn
-against an fp64 reference."""
+against an fp64 reference, the decode indexer's scores against an fp64 reference as closely as eager."""
 
 import pytest
 import torch
@@ -219,3 +219,31 @@ def test_qdq_kernels_are_bit_identical_to_the_references(dtype):
         out = boundary(grad_x)  # with autograd: the reference with its identity backward
         out.sum().backward()
         assert torch.equal(out.detach(), ref) and torch.equal(grad_x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("b,n,T", [(32, 1, 32768 + 200), (3, 6, 1000)])
+def test_index_scores_kernel_matches_an_fp64_reference_as_closely_as_eager(b, n, T):
+    # the decode indexer's scores: MXFP4-valued queries and keys (as the model feeds them: quantization.fp4_qdq),
+    # fp32 weights, each query with its own visible count.  Against fp64: the same -inf pattern, and an error no
+    # larger than 2x eager's (the products are exact in both; only the fp32 summation order differs)
+    from deepseek_v41.kernels_triton import index_scores_triton
+    from deepseek_v41.quantization import fp4_qdq_reference
+    from deepseek_v41.sparse_attention import indexer_scores_torch
+
+    g = torch.Generator().manual_seed(3)
+    H, D = 32, 128
+    q = fp4_qdq_reference(torch.randn(b, n, H, D, generator=g)).bfloat16()
+    k = fp4_qdq_reference(torch.randn(b, T, D, generator=g))  # fp32 keys, as the static cache holds them
+    w = torch.randn(b, n, H, generator=g) * (D**-0.5 * H**-0.5)
+    visible = torch.randint(0, T + 1, (b, n), generator=g)
+    visible[0, 0], visible[-1, -1] = 0, T  # nothing visible, everything visible
+    exact = torch.einsum("bshd,btd->bsht", q.double(), k.double()).relu()
+    exact = torch.einsum("bsht,bsh->bst", exact, w.double())
+    exact = exact.masked_fill(torch.arange(T) >= visible.unsqueeze(-1), float("-inf"))
+    got = index_scores_triton(q.cuda(), w.cuda(), k.cuda(), visible.cuda()).cpu()
+    eager = indexer_scores_torch(q.cuda(), w.cuda(), k.cuda(), 1, visible.cuda()).cpu()
+    seen = torch.isfinite(exact)
+    assert got.dtype == torch.float32 and torch.equal(torch.isinf(got), ~seen) and (got[~seen] < 0).all()
+    err, eager_err = ((x[seen].double() - exact[seen]).abs().max().item() for x in (got, eager))
+    scale = exact[seen].abs().max().item()
+    assert err <= max(2 * eager_err, 4 * 2**-24 * scale), (err, eager_err, scale)
