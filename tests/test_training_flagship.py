@@ -7,10 +7,11 @@ moments, the LR schedule, clipping, Engram hash precompute, validation, checkpoi
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import yaml
-from torchrun_launch import assert_every_rank, torchrun, torchrun_env
+from torchrun_launch import GLOO_LEFT, assert_every_rank, torchrun, torchrun_env
 
 REPO = Path(__file__).resolve().parents[1]
 FLAGSHIP = REPO / "examples" / "configs" / "deepseek_v41_flash_hellaswag.yaml"
@@ -40,7 +41,9 @@ def test_flagship_recipe_runs_two_updates_on_cpu(tiny_checkpoint, tmp_path, monk
     args = [f"--{k}={json.dumps(v)}" for k, (v, _) in OVERRIDES.items()] + [f"--output_dir={out}"]
     env = {**torchrun_env(), "DS41_CHECKPOINT": str(tiny_checkpoint)}
     result = torchrun(REPO / "examples" / "finetune.py", "--config", FLAGSHIP, *args, nproc=2, timeout=300, env=env)
-    assert_every_rank(result, 2)
+    # Every process group is freed, its gloo workers joined, before the interpreter shuts down: a worker still
+    # dropping a collective's tensor then aborts the rank (an occasional SIGABRT after its last output).
+    assert_every_rank(result, 2, *([f"{GLOO_LEFT} 0"] if sys.platform.startswith("linux") else []))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]

@@ -6,6 +6,8 @@ on rank 0's line alone. So every launch goes through this file as a per-rank wra
 rank runs the target script as ``python SCRIPT ARGS`` would and then prints ``RANK DONE rank=R``; workers mark
 each case they finish with ``mark("EP OK random")`` (-> ``EP OK random rank=R``). ``assert_every_rank`` then
 fails unless the launch exited 0 and every rank 0..nproc-1 printed the done marker and each expected marker.
+Before the done marker the wrapper reports its live gloo worker threads (``gloo workers left: N rank=R``, Linux),
+which a test can require to be 0: threads left running into interpreter shutdown can abort a finished rank.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DONE = "RANK DONE"
+GLOO_LEFT = "gloo workers left:"  # reported with their count when the script returns (Linux)
 
 
 def torchrun_env() -> dict:
@@ -55,6 +58,21 @@ def ranks_with(output: str, text: str) -> set[int]:
     return {int(r) for r in re.findall(rf"{re.escape(text)} rank=(\d+)$", output, flags=re.MULTILINE)}
 
 
+def gloo_workers() -> int | None:
+    """This process's live gloo worker threads (torch names them pt_gloo_runloop); None where /proc has no
+    thread list."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    count = 0
+    for task in tasks.iterdir():
+        try:
+            count += (task / "comm").read_text().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
+
+
 def tail(result: subprocess.CompletedProcess) -> str:
     return f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
 
@@ -89,6 +107,9 @@ def _run_as_rank() -> None:
     except SystemExit as stop:
         if stop.code not in (None, 0):
             raise
+    left = gloo_workers()
+    if left is not None:
+        mark(f"{GLOO_LEFT} {left}")
     mark(DONE)
 
 

@@ -512,7 +512,8 @@ def run(recipe: dict) -> list:
     a traceback.
     """
     try:
-        records = Trainer(recipe).fit()
+        trainer = Trainer(recipe)
+        records = trainer.fit()
     except BaseException as exc:
         if dist.is_initialized() and dist.get_world_size() > 1:
             sys.stdout.flush()
@@ -527,4 +528,25 @@ def run(recipe: dict) -> list:
         raise
     dist.barrier()
     dist.destroy_process_group()
+    del trainer  # its model, meshes and Engram lookups hold the process groups
+    _free_process_groups()
     return records
+
+
+def _free_process_groups():
+    """Free the process groups destroy_process_group() unregistered, joining their gloo worker threads.
+
+    A gloo worker drops each finished collective's tensors itself, after the caller's wait() returned; a tensor
+    Python has seen makes it take the GIL.  If that happens once interpreter shutdown has begun, the thread is
+    unwound through a noexcept destructor and the rank dies with SIGABRT ("terminate called without an active
+    exception") after its work is done.  Freed here, the groups join their workers (their destructor releases
+    the GIL to do so) while the interpreter is whole.  DTensor's sharding-propagation caches hold device meshes,
+    and through them groups, for the life of the process: cleared first.
+    """
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # a torch without it: the groups it holds stay alive, as before
+        pass
+    else:
+        _clear_sharding_prop_cache()
+    gc.collect()  # the trainer's reference cycles (its checkpointer points back at it)
