@@ -295,6 +295,7 @@ class Attention(nn.Module):
         self.candidate_block_size = config.candidate_block_size
         self.candidate_topk_blocks = config.candidate_topk_blocks
         self.sparse_attention, self.indexer_scores = attention_backend(backend["attn"])
+        self.decode_index_kernel = backend["decode_indexer"] == "triton"
         self.fp8_qdq, _, self.fp4_e4m3_scale_qdq = quant_ops(backend)  # backend "quant": torch or tile_kernels
 
         dim = config.hidden_size
@@ -507,7 +508,7 @@ class Attention(nn.Module):
             else:  # queries [1, b·n, ·] (the batch as the sequence) against each row's own keys -> [b, n, T]
                 def score_fn(q, w, k, ratio, query_offset):  # q [1, b·n, H, D] -> [b, n, T]
                     q, w = q.reshape(b, n, *q.shape[2:]), w.reshape(b, n, -1)
-                    if inference_kernel_usable(q) and index_scores_fits(q):
+                    if self.decode_index_kernel and inference_kernel_usable(q) and index_scores_fits(q):
                         return index_scores_triton(q, w, k, visible)
                     return indexer_scores_torch(q, w, k, ratio, visible)
                 self._publish_topk(state, xt, qr, cis, score_fn, visible)

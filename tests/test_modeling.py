@@ -214,6 +214,8 @@ def test_gpu_backend_on_cpu_names_the_missing_hardware(v4_tokenizer):
     for kind in ("mhc", "engram", "quant"):
         with pytest.raises(RuntimeError, match=f"{kind} backend 'tile_kernels' needs a CUDA GPU"):
             tiny_model(v4_tokenizer, backend={kind: "tile_kernels"})
+    with pytest.raises(RuntimeError, match="decode_indexer backend 'triton' needs a CUDA GPU"):
+        tiny_model(v4_tokenizer, backend={"decode_indexer": "triton"})
 
 
 def test_rms_norm_backends_agree_in_fp32(v4_tokenizer):

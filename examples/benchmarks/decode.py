@@ -66,14 +66,16 @@ def tiny_text_config() -> dict:
 
 def proxy_backend(args) -> dict:
     """The GPU proxy's kernel backends: TileLang attention where it is installed (unless ``--torch-attention``),
-    ``torch._grouped_mm`` experts, and with ``--fused`` tile-kernels' mHC / Engram gate / quantization and the
-    Triton norm (fewer, larger kernels per step)."""
+    ``torch._grouped_mm`` experts, with ``--fused`` tile-kernels' mHC / Engram gate / quantization and the
+    Triton norm (fewer, larger kernels per step), with ``--triton-indexer`` the decode indexer kernel."""
     from deepseek_v41.kernels_tilelang import tilelang_available
 
     backend = {"attn": "tilelang" if tilelang_available()[0] and not args.torch_attention else "torch",
                "experts": "torch_mm"}
     if args.fused:
         backend.update(mhc="tile_kernels", engram="tile_kernels", quant="tile_kernels", rms_norm="triton")
+    if getattr(args, "triton_indexer", False):
+        backend.update(decode_indexer="triton")
     return backend
 
 
@@ -308,16 +310,12 @@ def main():
     parser.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kernel-table", help="append each profiled step's kernels by total time to this file")
     parser.add_argument("--torch-attention", action="store_true", help="prefill with attn torch even with tilelang")
-    parser.add_argument("--eager-indexer", action="store_true",
-                        help="decode steps score the indexer with eager PyTorch, not the Triton kernel (A/B)")
+    parser.add_argument("--triton-indexer", action="store_true",
+                        help="decode steps score the indexer with the Triton kernel (backend decode_indexer: triton)")
     parser.add_argument("--fused", action="store_true",
                         help="tile-kernels' mHC / Engram gate / quantization and the Triton norm (needs tile_kernels)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if args.eager_indexer:
-        import deepseek_v41.attention
-
-        deepseek_v41.attention.index_scores_fits = lambda q: False
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU (or run --device cpu)")
     cpu = device.type == "cpu"
