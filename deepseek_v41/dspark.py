@@ -218,10 +218,14 @@ def draft_block(model, state: DSparkState, next_tokens: torch.Tensor, pick=None)
         if reason is None:
             if not isinstance(state.graph, DraftGraph) or state.graph.stale():
                 state.graph = DraftGraph(model, state)
-            draft = state.graph(next_tokens)
+            graph = state.graph
+            draft = graph(next_tokens)  # None: its eager run failed, the draft is made below
+            if graph.failure:  # this state drafts eagerly from now on (logged once per reason)
+                reason = state.graph = graph.failure
             if draft is not None:
+                if reason:
+                    log_fallback(f"DSpark draft: {reason}")
                 return draft
-            reason = state.graph = state.graph.failure
         if reason:
             log_fallback(f"DSpark draft: {reason}")
     return DSparkDraft(*_draft(model, state.rings, state.window, state.lengths, next_tokens, pick))

@@ -12,15 +12,21 @@ the mutant), and restores the file, also on an interrupt. A mutant is CAUGHT whe
 goes to stdout and ``--out`` (appended line by line, so a run cut short keeps what it measured); the exit code is
 1 if any mutant survived or the baseline failed. ``--only`` takes ids or fnmatch patterns (``'cuda_*'``), to run
 the table in parts (one part per device command); ``--skip-baseline`` for the parts after the first.
+``--jobs N`` runs the mutants in N copies of the tree at once (dealt round-robin, so the slow attention mutants
+spread over the copies; each copy is a process of this script whose imports resolve to its copy), the baseline
+alongside in the unmutated tree: most of a mutant's time is compiling it on the CPU, which the copies overlap.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +207,35 @@ def run_tests(args, timeout: float) -> tuple[str, str]:
     return "FAIL", (failed[0] + why) if failed else text[-500:].replace("\n", " | ")
 
 
+def run_in_copies(mutants, opts, files) -> int:
+    """The table with ``opts.jobs`` tree copies at once, the baseline alongside (see the module docstring)."""
+    root = Path(tempfile.mkdtemp(prefix="mutants_"))
+    ignore = shutil.ignore_patterns(".git", ".gpu", ".venv", ".wt_*", "__pycache__", "*.egg-info")
+    workers = []
+    for i in range(min(opts.jobs, len(mutants))):
+        copy = root / f"tree{i}"
+        shutil.copytree(REPO, copy, ignore=ignore)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(copy), os.environ.get("PYTHONPATH")]))}
+        cmd = [sys.executable, str(copy / GPU / "mutate_kernels.py"), "--skip-baseline", "--timeout",
+               str(opts.timeout), "--out", str(root / f"rows{i}.txt"), "--only", *(m.id for m in mutants[i :: opts.jobs])]
+        with open(root / f"log{i}.txt", "w") as log:
+            workers.append(subprocess.Popen(cmd, cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT))
+    baseline = None if opts.skip_baseline else run_tests(files, opts.timeout)
+    for worker in workers:
+        worker.wait()
+    rows = [line for i in range(len(workers)) if (root / f"rows{i}.txt").is_file()
+            for line in (root / f"rows{i}.txt").read_text().splitlines() if "  # " in line]
+    caught = sum(" CAUGHT " in row for row in rows)
+    lines = ([] if baseline is None else [f"baseline (unmutated) {' '.join(files)}: {' '.join(baseline)}"])
+    lines += [f"{'mutant':36} {'file':42} {'result':9} first failing test", *rows,
+              f"{caught} of {len(mutants)} caught ({len(rows)} run; logs in {root})"]
+    print("\n".join(lines), flush=True)
+    if opts.out:
+        with open(opts.out, "a") as out:
+            out.write("\n".join(lines) + "\n")
+    return 0 if caught == len(mutants) and (baseline is None or baseline[0] == "PASS") else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", metavar="PATTERN", help="run these mutants only (ids or fnmatch patterns)")
@@ -209,6 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true", help="print the mutants")
     p.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (a hang counts as caught)")
     p.add_argument("--out", type=Path, help="also write the table here")
+    p.add_argument("--jobs", type=int, default=1, help="mutants at once, each in its own copy of the tree")
     opts = p.parse_args(argv)
     mutants = [m for m in MUTANTS if not opts.only or any(fnmatch.fnmatch(m.id, pat) for pat in opts.only)]
     unknown = [pat for pat in opts.only or () if not any(fnmatch.fnmatch(m.id, pat) for m in MUTANTS)]
@@ -234,6 +270,8 @@ def main(argv=None) -> int:
                 out.write(line + "\n")
 
     files = sorted({arg for m in mutants for arg in m.tests if arg.startswith(GPU)})
+    if opts.jobs > 1:
+        return run_in_copies(mutants, opts, files)
     if not opts.skip_baseline:
         start = time.monotonic()
         status, detail = run_tests(files, opts.timeout)
