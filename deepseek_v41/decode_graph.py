@@ -115,7 +115,8 @@ class DecodeGraph:
 
     def _warm_up_and_capture(self, input_ids):
         self.input_ids = input_ids.to(torch.long).clone()
-        result, self.graph, self.outputs, failure = capture(self._run, input_ids.device, self.mode == "cuda_graph")
+        check_syncs = self.mode == "cuda_graph"  # Inductor may synchronize while it compiles
+        result, self.graph, self.outputs, failure = capture(self._run, input_ids.device, check_syncs)
         if failure:  # the real step was done by the warm-up: its result stands, later steps run eagerly
             reason = self.cache.graphs[(self.width, self.dspark)] = failure
             log_fallback(reason)
