@@ -64,6 +64,15 @@ def tiny_text_config() -> dict:
             "dspark_target_layer_ids": []}
 
 
+def add_backend_arguments(parser) -> None:
+    """The GPU proxy's backend switches (``proxy_backend``), shared with ``dspark_verify.py``."""
+    parser.add_argument("--torch-attention", action="store_true", help="GPU: the torch attention backend, not TileLang")
+    parser.add_argument("--triton-indexer", action="store_true",
+                        help="decode steps score the indexer with the Triton kernel (backend decode_indexer: triton)")
+    parser.add_argument("--fused", action="store_true",
+                        help="tile-kernels' mHC / Engram gate / quantization and the Triton norm (needs tile_kernels)")
+
+
 def proxy_backend(args) -> dict:
     """The GPU proxy's kernel backends: TileLang attention where it is installed (unless ``--torch-attention``),
     ``torch._grouped_mm`` experts, with ``--fused`` tile-kernels' mHC / Engram gate / quantization and the
@@ -74,7 +83,7 @@ def proxy_backend(args) -> dict:
                "experts": "torch_mm"}
     if args.fused:
         backend.update(mhc="tile_kernels", engram="tile_kernels", quant="tile_kernels", rms_norm="triton")
-    if getattr(args, "triton_indexer", False):
+    if args.triton_indexer:
         backend.update(decode_indexer="triton")
     return backend
 
@@ -309,11 +318,7 @@ def main():
                         help="a folder put first on the baseline subprocess's PYTHONPATH (a newer transformers)")
     parser.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kernel-table", help="append each profiled step's kernels by total time to this file")
-    parser.add_argument("--torch-attention", action="store_true", help="prefill with attn torch even with tilelang")
-    parser.add_argument("--triton-indexer", action="store_true",
-                        help="decode steps score the indexer with the Triton kernel (backend decode_indexer: triton)")
-    parser.add_argument("--fused", action="store_true",
-                        help="tile-kernels' mHC / Engram gate / quantization and the Triton norm (needs tile_kernels)")
+    add_backend_arguments(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

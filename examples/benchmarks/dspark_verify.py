@@ -39,7 +39,14 @@ from deepseek_v41.dspark import DSparkState, draft_block
 from deepseek_v41.modeling_deepseek_v41 import GENERATE_DECODE_STEP, DeepseekV41ForCausalLM, default_dtype
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import profile_steps, proxy_backend, time_steps, tiny_text_config, tokenizer
+from decode import (
+    add_backend_arguments,
+    profile_steps,
+    proxy_backend,
+    time_steps,
+    tiny_text_config,
+    tokenizer,
+)
 
 DSPARK = {"num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
           "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3}
@@ -158,9 +165,7 @@ def main():
     parser.add_argument("--accepted", type=float, default=5.4, help="tokens per step at the projection (SGLang)")
     parser.add_argument("--out", type=Path, help="append the table to this file")
     parser.add_argument("--profile-table", type=Path, help="append each call's top ops (torch.profiler) to this file")
-    parser.add_argument("--torch-attention", action="store_true", help="GPU: the torch attention backend, not TileLang")
-    parser.add_argument("--fused", action="store_true",
-                        help="GPU: tile-kernels' mHC / Engram gate / quantization and the Triton norm (decode.py's)")
+    add_backend_arguments(parser)
     parser.add_argument("--cpu-size", choices=["tiny", "mid"], default="tiny", help="CPU: decode.py's tiny config or "
                         "the same structure at mid widths (hidden 512, head_dim 128, window 128)")
     args = parser.parse_args()

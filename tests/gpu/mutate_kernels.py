@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = "tests/gpu"
+TABLE_HEADER = f"{'mutant':36} {'file':42} {'result':9} first failing test"
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ def run_in_copies(mutants, opts, files) -> int:
             for line in (root / f"rows{i}.txt").read_text().splitlines() if "  # " in line]
     caught = sum(" CAUGHT " in row for row in rows)
     lines = ([] if baseline is None else [f"baseline (unmutated) {' '.join(files)}: {' '.join(baseline)}"])
-    lines += [f"{'mutant':36} {'file':42} {'result':9} first failing test", *rows,
+    lines += [TABLE_HEADER, *rows,
               f"{caught} of {len(mutants)} caught ({len(rows)} run; logs in {root})"]
     print("\n".join(lines), flush=True)
     if opts.out:
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
         if status != "PASS":  # skips are allowed (a skipped test catches nothing: its mutants show SURVIVED)
             report("the unmutated tree must pass first")
             return 1
-    report(f"{'mutant':36} {'file':42} {'result':9} first failing test")
+    report(TABLE_HEADER)
     survived = []
     for m in mutants:
         path = REPO / m.path
