@@ -1,11 +1,12 @@
 """DCP training checkpoints under torchrun (gloo, CPU): async save, pruning, resharded resume, kill -9 mid-save,
-damaged folders, refused recipe changes, and no hang when one rank fails.
+damaged folders, refused recipe changes, no hang when one rank fails, and a one-process failure raised with
+its process groups freed.
 
 One saved run (world 2, EP 2, 2 Engram owners, async saves every update) is shared by every bf16 case; an
 fp32 twin of it (saved at step 2) is resumed at world 1 and 4 and must reproduce its steps 3-5 to 1e-5.
 Runs on the same number of ranks share one launch (the twin follows the bf16 run; at world 4 both resume, one
 after the other): each rank's Python start-up is most of a tiny run's time.
-This file is also the torchrun worker for these launches and the kill-during-save and one-rank-fails cases
+This file is also the torchrun worker for these launches and the kill-during-save and failure cases
 (``__main__``).
 """
 
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_launch import assert_every_rank, say, torchrun
+from torchrun_launch import NO_GLOO_LEFT, assert_every_rank, ranks_with, say, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
@@ -42,13 +43,13 @@ THEN = "--then"  # between the runs of one launch
 def launch(tmp, out, *overrides, world=2, worker=None, check=True, timeout=420, then=()):
     """The tiny recipe on ``world`` gloo ranks (through this file's worker when ``worker``); -> the process.
     ``then``: more runs (``run_args`` lists) that the worker makes after this one, in the same processes.
-    ``check``: the launch exited 0 and every rank reported done."""
+    ``check``: the launch exited 0 and every rank reported done, its gloo workers joined."""
     script = [Path(__file__), worker] if worker else [REPO / "examples" / "finetune.py"]
     assert worker or not then, "only this file's worker makes several runs"
     result = torchrun(*script, *run_args(tmp, out, world, *overrides), *(a for args in then for a in (THEN, *args)),
                       nproc=world, timeout=timeout)
     if check:
-        assert_every_rank(result, world)
+        assert_every_rank(result, world, *NO_GLOO_LEFT)  # run() freed the groups (earlier runs' too)
     return result
 
 
@@ -273,6 +274,42 @@ def test_one_failing_rank_ends_every_rank_promptly(tmp_path):
     assert result.returncode != 0 and time.monotonic() - start < 100
     text = result.stdout + result.stderr
     assert "rank 1 failed" in text and "injected failure on rank 1" in text
+
+
+def test_one_process_failure_frees_the_process_groups_before_raising(tiny_checkpoint, tmp_path_factory):
+    """One rank (world 1) fails in update 2: ``run`` re-raises the original error to its caller, here on to
+    interpreter shutdown, with its process groups freed first (their gloo workers joined: the traceback's
+    frames hold the trainer, and a worker still running in shutdown can abort the process with SIGABRT)."""
+    tmp = run_dir(tmp_path_factory, "one_fails", tiny_checkpoint)
+    result = launch(tmp, tmp / "out", world=1, worker="fail_in_update_2", check=False, timeout=120)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "exitcode  : 1 " in result.stderr, result.stderr[-3000:]  # the rank's own exit, not a signal
+    assert "ValueError: injected failure in update 2" in result.stderr, result.stderr[-3000:]
+    assert "terminate called" not in result.stderr and "freeing the process groups" not in result.stderr
+    for text in NO_GLOO_LEFT:  # counted by the wrapper (Linux) with the error on its way out
+        assert ranks_with(result.stdout, text) == {0}, result.stdout[-2000:]
+
+
+def test_one_process_failure_is_raised_even_if_freeing_the_groups_fails(monkeypatch, capsys):
+    """The clean-up after a failure failing too is printed; the caller still gets the original error."""
+    import gc
+
+    from deepseek_v41.training import loop
+
+    class FailingTrainer:
+        def __init__(self, recipe):
+            raise ValueError("injected failure")
+
+    def broken_collect():
+        raise RuntimeError("injected clean-up failure")
+
+    monkeypatch.setattr(loop, "Trainer", FailingTrainer)
+    monkeypatch.setattr(gc, "collect", broken_collect)
+    with pytest.raises(ValueError, match="injected failure"):
+        loop.run({})
+    err = capsys.readouterr().err
+    assert "freeing the process groups after a failure failed too" in err
+    assert "injected clean-up failure" in err
 
 
 # ---- damaged folders and changed recipes (no torchrun) ---------------------------------------------
@@ -557,6 +594,15 @@ def _worker(case: str, argv: list) -> None:
                 dist.all_reduce(torch.ones(1))
 
         loop.Trainer = FailingTrainer
+    elif case == "fail_in_update_2":  # after a real update: trainer, meshes and DTensor caches all built
+        step = loop.Trainer.train_step
+
+        def failing_step(self, update):
+            if update == 1:
+                raise ValueError("injected failure in update 2")
+            return step(self, update)
+
+        loop.Trainer.train_step = failing_step
     runs = [[]]
     for arg in argv:
         if arg == THEN:

@@ -6,8 +6,9 @@ on rank 0's line alone. So every launch goes through this file as a per-rank wra
 rank runs the target script as ``python SCRIPT ARGS`` would and then prints ``RANK DONE rank=R``; workers mark
 each case they finish with ``mark("EP OK random")`` (-> ``EP OK random rank=R``). ``assert_every_rank`` then
 fails unless the launch exited 0 and every rank 0..nproc-1 printed the done marker and each expected marker.
-Before the done marker the wrapper reports its live gloo worker threads (``gloo workers left: N rank=R``, Linux),
-which a test can require to be 0: threads left running into interpreter shutdown can abort a finished rank.
+Before the done marker (and before a failing script's exception goes on to interpreter shutdown) the wrapper
+reports its live gloo worker threads (``gloo workers left: N rank=R``, Linux), which a test can require to be
+0 (``NO_GLOO_LEFT``): threads left running into interpreter shutdown can abort a finished rank.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DONE = "RANK DONE"
-GLOO_LEFT = "gloo workers left:"  # reported with their count when the script returns (Linux)
+GLOO_LEFT = "gloo workers left:"  # reported with their count when the script ends (Linux)
+# the markers of a launch whose every rank joined its gloo workers (none where they cannot be counted)
+NO_GLOO_LEFT = (f"{GLOO_LEFT} 0",) if sys.platform.startswith("linux") else ()
 
 
 def torchrun_env() -> dict:
@@ -96,20 +99,25 @@ def _run_as_rank() -> None:
     sys.path[0] = str(script.parent)
     real_exit = os._exit
 
+    def report_gloo_workers():
+        left = gloo_workers()
+        if left is not None:
+            mark(f"{GLOO_LEFT} {left}")
+
     def exit_reporting(code):  # a worker may skip interpreter teardown with os._exit(0) after its checks
         if code == 0:
+            report_gloo_workers()
             mark(DONE)
         real_exit(code)
 
     os._exit = exit_reporting
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as stop:
-        if stop.code not in (None, 0):
+    except BaseException as stop:
+        if not isinstance(stop, SystemExit) or stop.code not in (None, 0):
+            report_gloo_workers()  # with the exception still alive, as it will be in interpreter shutdown
             raise
-    left = gloo_workers()
-    if left is not None:
-        mark(f"{GLOO_LEFT} {left}")
+    report_gloo_workers()
     mark(DONE)
 
 

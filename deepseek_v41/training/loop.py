@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from deepseek_v41.dspark_loss import draft_count
 from deepseek_v41.modeling_deepseek_v41 import causal_lm_targets
@@ -509,8 +509,9 @@ def run(recipe: dict) -> list:
     An exception on one rank must not leave the others waiting forever in a collective: with several
     ranks, the failing one prints its traceback under its rank and exits non-zero at once, and torchrun
     then stops every other rank.  A recipe error (the same on every rank) is printed once, by rank 0, without
-    a traceback.
+    a traceback.  With one rank the exception goes on to the caller, the process groups freed first.
     """
+    trainer = None
     try:
         trainer = Trainer(recipe)
         records = trainer.fit()
@@ -524,29 +525,60 @@ def run(recipe: dict) -> list:
                 sys.stderr.write(f"[finetune] rank {dist.get_rank()} failed; stopping every rank:\n"
                                  f"{traceback.format_exc()}")
             sys.stderr.flush()
-            os._exit(1)
+            os._exit(1)  # no interpreter shutdown: the live groups' gloo workers cannot abort it
+        # on its way out the exception may reach interpreter shutdown, which the groups must not outlive
+        trainer = None
+        release_process_groups(exc)
         raise
     dist.barrier()
-    dist.destroy_process_group()
-    del trainer  # its model, meshes and Engram lookups hold the process groups
-    _free_process_groups()
+    trainer = None  # its model, meshes and Engram lookups hold the process groups
+    release_process_groups()
     return records
 
 
-def _free_process_groups():
-    """Free the process groups destroy_process_group() unregistered, joining their gloo worker threads.
+def release_process_groups(failure: BaseException | None = None) -> None:
+    """Destroy the process groups and free them, joining their gloo worker threads, before the interpreter
+    shuts down.  Call it last, on every rank, once the caller holds no trainer, model or mesh (a test worker:
+    after the function holding them returned).  A script calling init_process_group() itself imports this
+    module first: torch.distributed.nn, which it pulls in, captures the default group in its functions'
+    defaults when imported after the group was made.
 
-    A gloo worker drops each finished collective's tensors itself, after the caller's wait() returned; a tensor
-    Python has seen makes it take the GIL.  If that happens once interpreter shutdown has begun, the thread is
-    unwound through a noexcept destructor and the rank dies with SIGABRT ("terminate called without an active
-    exception") after its work is done.  Freed here, the groups join their workers (their destructor releases
-    the GIL to do so) while the interpreter is whole.  DTensor's sharding-propagation caches hold device meshes,
-    and through them groups, for the life of the process: cleared first.
+    destroy_process_group() only unregisters the groups.  A gloo worker drops each finished collective's
+    tensors itself, after the caller's wait() returned; a tensor Python has seen makes it take the GIL.  If
+    that happens once interpreter shutdown has begun, the thread is unwound through a noexcept destructor and
+    the rank dies with SIGABRT ("terminate called without an active exception"), its work done.  Freed here,
+    the groups join their workers (their destructor releases the GIL to do so) while the interpreter is whole.
+
+    ``failure``: the exception a one-process caller is about to re-raise (with several ranks a failed one
+    exits at once instead, as ``run`` does: a group's worker may be waiting on the peer).  The finished frames
+    of its traceback (and of the exceptions it chains), which hold the trainer, are cleared of their locals:
+    the printed traceback is unchanged, a post-mortem debugger sees no locals there.  An error while freeing
+    is then printed, not raised, and the caller re-raises ``failure``.
     """
     try:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:  # a torch without it: the groups it holds stay alive, as before
-        pass
-    else:
-        _clear_sharding_prop_cache()
-    gc.collect()  # the trainer's reference cycles (its checkpointer points back at it)
+        chained, seen = failure, set()
+        while chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            traceback.clear_frames(chained.__traceback__)  # skips the executing ones (the caller's)
+            chained = chained.__cause__ or chained.__context__
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # torch's caches keep device meshes, and a mesh its groups, for the life of the process: DTensor's
+        # sharding-propagation caches are cleared, and every mesh still alive (in redistribute planners and
+        # the like) lets go of its groups (private API and field, each skipped where a torch has none).  No
+        # loop variable is left bound to one of gc.get_objects(): it could be a piece of the trainer.
+        try:
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        except ImportError:
+            pass
+        else:
+            _clear_sharding_prop_cache()
+        registries = [getattr(o, "_pg_registry", {}) for o in gc.get_objects() if isinstance(o, DeviceMesh)]
+        for registry in registries:
+            registry.clear()
+        gc.collect()  # the trainer's reference cycles (its checkpointer points back at it)
+    except Exception:  # after a failure, that one is raised (by the caller); this one is shown beside it
+        if failure is None:
+            raise
+        sys.stderr.write(f"[finetune] freeing the process groups after a failure failed too:\n"
+                         f"{traceback.format_exc()}")
