@@ -79,9 +79,15 @@ def main(checkpoint: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    # imported before the default group exists: torch.distributed.nn, which it pulls in, would keep that
+    # group in its functions' defaults for the life of the process
+    from deepseek_v41.training.loop import release_process_groups
+
     dist.init_process_group("gloo")
     try:
         main(sys.argv[1], Path(sys.argv[2]))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    release_process_groups()  # main() returned: its trainer goes with the groups, their gloo workers joined
     torch.set_num_threads(1)

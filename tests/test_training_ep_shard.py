@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_training_resume import FP32, full_state
-from torchrun_launch import assert_every_rank, mark, say, torchrun
+from torchrun_launch import NO_GLOO_LEFT, assert_every_rank, mark, say, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "configs" / "tiny_cpu.yaml"
@@ -30,7 +30,7 @@ def launch(ckpt, out, world, ep, *overrides):
     result = torchrun(Path(__file__), RECIPE, f"--model.config.pretrained_model_name_or_path={ckpt}",
                       f"--output_dir={out}", f"--distributed.ep_size={ep}", f"--distributed.engram_owners={world}",
                       *FP32, *TINY, *overrides, nproc=world, timeout=420)
-    assert_every_rank(result, world, "RELOADED AND SAVED")
+    assert_every_rank(result, world, "RELOADED AND SAVED", *NO_GLOO_LEFT)
     return result.stdout
 
 
@@ -156,9 +156,11 @@ def _worker(argv: list) -> None:
     trainer.checkpointer.root = Path(recipe["output_dir"]) / "reload"
     trainer.checkpointer.save(2)
     dist.barrier()
-    dist.destroy_process_group()
     mark("RELOADED AND SAVED")
 
 
 if __name__ == "__main__":
+    from deepseek_v41.training.loop import release_process_groups
+
     _worker(sys.argv[1:])
+    release_process_groups()  # _worker returned: its trainer goes with the groups, their gloo workers joined

@@ -14,7 +14,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from torchrun_launch import assert_every_rank, mark, missing_ranks, say, tail, torchrun, torchrun_env
+from torchrun_launch import (
+    NO_GLOO_LEFT,
+    assert_every_rank,
+    mark,
+    missing_ranks,
+    say,
+    tail,
+    torchrun,
+    torchrun_env,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 NPROC = 2
@@ -49,7 +58,7 @@ def assert_case_on_every_rank(result, *markers):
 
 
 def test_launch_ends_cleanly_on_every_rank(gloo_cases):
-    assert_every_rank(gloo_cases, NPROC)
+    assert_every_rank(gloo_cases, NPROC, *NO_GLOO_LEFT)
 
 
 def test_row_owner_engram_matches_single_table(gloo_cases):
@@ -257,6 +266,10 @@ if __name__ == "__main__":
     import torch
     import torch.distributed as dist
 
+    # imported before the default group exists: torch.distributed.nn, which it pulls in, would keep that
+    # group in its functions' defaults for the life of the process
+    from deepseek_v41.training.loop import release_process_groups
+
     case = sys.argv[1]
     if case == "model_nccl":  # the same check on GPUs: one per rank, NCCL collectives
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -282,8 +295,10 @@ if __name__ == "__main__":
         else:
             raise SystemExit(f"unknown case {case}")
         dist.barrier()  # both ranks leave together: a gloo pair torn down mid-exchange aborts the process
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    release_process_groups()  # the cases returned: their trainers go with the groups, gloo workers joined
     # Every check above passed. Skip interpreter teardown: on a loaded 2-core machine, C++ static destructors
     # (gloo / autograd worker threads) occasionally abort with "terminate called without an active exception"
     # after a clean run, which would turn a passing case into a flaky failure.
