@@ -23,7 +23,8 @@ the MoE combine and the experts' weighted SwiGLU.
 * ``split_sinkhorn_triton``: mHC's coefficient split and its 20 Sinkhorn rounds in one kernel, without autograd
   (inference: ``mhc.hc_split_sinkhorn`` uses it on CUDA when no gradient is asked for).
 * ``index_scores_triton``: a decode step's indexer scores (per-head products, ReLU, weighted sum, visibility) in
-  one kernel, without the fp32 [b, n, H, T] products eager writes and reads back.
+  one kernel, without the fp32 [b, n, H, T] products eager writes and reads back (inference on CUDA: the default
+  backend ``decode_indexer: auto``).
 
 Triton ships with the CUDA builds of PyTorch; on CPU (or without Triton) the callers use eager PyTorch.
 """
@@ -221,7 +222,7 @@ if triton is not None:
     def _mix_dx_kernel(gy_ptr, fn_ptr, coef_ptr, x_ptr, dx_ptr, m, K, N: tl.constexpr, N_PAD: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr = "ieee"):
         # dx [m, K] = gy [m, N] · fn [N, K] − coef·x in fp32 (the dot at PRECISION: "ieee" fused multiply-adds,
-        # "tf32x3" / "tf32" on tensor cores, or "bf16x3" by hand; N zero-padded to N_PAD), rounded once to dx's
+        # "tf32x3" / "tf32" on tensor cores; N zero-padded to N_PAD), rounded once to dx's
         # dtype.  N (the mix count, 24) is a short inner dimension: x is read and dx written once, and the fp32
         # product never goes to memory
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -230,16 +231,7 @@ if triton is not None:
         rmask, cmask, nmask = rows < m, cols < K, ns < N
         g = tl.load(gy_ptr + rows[:, None] * N + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
         f = tl.load(fn_ptr + ns[:, None] * K + cols[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
-        if PRECISION == "bf16x3":
-            g_hi = g.to(tl.bfloat16)
-            g_lo = (g - g_hi.to(tl.float32)).to(tl.bfloat16)
-            f_hi = f.to(tl.bfloat16)
-            f_lo = (f - f_hi.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(g_lo, f_hi)
-            acc = tl.dot(g_hi, f_lo, acc)
-            acc = tl.dot(g_hi, f_hi, acc)
-        else:
-            acc = tl.dot(g, f, input_precision=PRECISION)
+        acc = tl.dot(g, f, input_precision=PRECISION)
         off = rows.to(tl.int64)[:, None] * K + cols[None, :]
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)

@@ -87,9 +87,9 @@ MUTANTS = [
     Mutant("swiglu_bwd_clamp_passes_gradient", TRITON, "dg = tl.where(g <= limit, dg, 0.0)", "dg = dg",
            (TRITON_TESTS, "-k", "swiglu"), "SwiGLU backward: the gradient passes the gate's clamp"),
     # Triton: mHC mix dx (bf16x3 and the coefficient term)
-    Mutant("mix_dx_bf16x3_term", TRITON, "            acc = tl.dot(g_hi, f_lo, acc)\n", "",
+    Mutant("mix_dx_tf32", TRITON, 'PRECISION="tf32x3", num_warps=4', 'PRECISION="tf32", num_warps=4',
            (f"{GPU}/test_fused_elementwise_gpu.py", f"{GPU}/test_tile_kernels_gpu.py"),
-           "mHC mix dx: the hi x lo product of bf16x3 dropped"),
+           "mHC mix dx: the 24-long product in one TF32 pass instead of three (10-bit mantissas)"),
     Mutant("mix_dx_coef_sign", TRITON, "(acc - c[:, None] * x)", "(acc + c[:, None] * x)",
            (f"{GPU}/test_fused_elementwise_gpu.py", f"{GPU}/test_tile_kernels_gpu.py"),
            "mHC mix dx: the sign of coef x"),
