@@ -295,7 +295,7 @@ class Attention(nn.Module):
         self.candidate_block_size = config.candidate_block_size
         self.candidate_topk_blocks = config.candidate_topk_blocks
         self.sparse_attention, self.indexer_scores = attention_backend(backend["attn"])
-        self.decode_index_kernel = backend["decode_indexer"] == "triton"
+        self.decode_index_kernel = backend["decode_indexer"] != "torch"  # "auto" / "triton": where it runs
         self.fp8_qdq, _, self.fp4_e4m3_scale_qdq = quant_ops(backend)  # backend "quant": torch or tile_kernels
 
         dim = config.hidden_size

@@ -21,7 +21,7 @@ DEFAULT_BACKEND = {
     "mhc": "torch",
     "engram": "torch",
     "quant": "torch",
-    "decode_indexer": "torch",
+    "decode_indexer": "auto",
 }
 
 # kind -> name -> (python packages needed, needs CUDA)
@@ -46,9 +46,10 @@ _REGISTRY = {
     # the Engram gate and the KV/index quantize->dequantize boundaries, eager or as tile-kernels' fused kernels
     "engram": {"torch": ((), False), "tile_kernels": (("tile_kernels",), True)},
     "quant": {"torch": ((), False), "tile_kernels": (("tile_kernels",), True)},
-    # a decode step's indexer scores: eager (per-head products in fp32), or one Triton kernel
-    # (kernels_triton.index_scores_triton; inference on CUDA, eager elsewhere).  Opt-in until measured on a GPU
-    "decode_indexer": {"torch": ((), False), "triton": (("triton",), True)},
+    # a decode step's indexer scores: one Triton kernel (kernels_triton.index_scores_triton) where it runs
+    # (CUDA inference; "auto" falls back to eager elsewhere, "triton" asks for CUDA), or always eager ("torch":
+    # the per-head products in fp32, the reference the kernel is tested against)
+    "decode_indexer": {"auto": ((), False), "torch": ((), False), "triton": (("triton",), True)},
 }
 
 _INSTALL_HINT = {

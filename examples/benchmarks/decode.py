@@ -67,8 +67,9 @@ def tiny_text_config() -> dict:
 def add_backend_arguments(parser) -> None:
     """The GPU proxy's backend switches (``proxy_backend``), shared with ``dspark_verify.py``."""
     parser.add_argument("--torch-attention", action="store_true", help="GPU: the torch attention backend, not TileLang")
-    parser.add_argument("--triton-indexer", action="store_true",
-                        help="decode steps score the indexer with the Triton kernel (backend decode_indexer: triton)")
+    parser.add_argument("--eager-indexer", action="store_true",
+                        help="decode steps score the indexer eagerly (backend decode_indexer: torch), not with the "
+                             "Triton kernel")
     parser.add_argument("--fused", action="store_true",
                         help="tile-kernels' mHC / Engram gate / quantization and the Triton norm (needs tile_kernels)")
 
@@ -76,15 +77,16 @@ def add_backend_arguments(parser) -> None:
 def proxy_backend(args) -> dict:
     """The GPU proxy's kernel backends: TileLang attention where it is installed (unless ``--torch-attention``),
     ``torch._grouped_mm`` experts, with ``--fused`` tile-kernels' mHC / Engram gate / quantization and the
-    Triton norm (fewer, larger kernels per step), with ``--triton-indexer`` the decode indexer kernel."""
+    Triton norm (fewer, larger kernels per step), with ``--eager-indexer`` the eager decode indexer
+    (the default: its Triton kernel)."""
     from deepseek_v41.kernels_tilelang import tilelang_available
 
     backend = {"attn": "tilelang" if tilelang_available()[0] and not args.torch_attention else "torch",
                "experts": "torch_mm"}
     if args.fused:
         backend.update(mhc="tile_kernels", engram="tile_kernels", quant="tile_kernels", rms_norm="triton")
-    if args.triton_indexer:
-        backend.update(decode_indexer="triton")
+    if args.eager_indexer:
+        backend.update(decode_indexer="torch")
     return backend
 
 
