@@ -109,7 +109,8 @@ def test_drafts_match_the_official_forward(model, snapshot, golden):
         metrics = logits_metrics(ref_logits, logits)
         if dtype == torch.float32:
             # measured: head input / confidence / logits rel. L2 <= 2e-7 both ways, the stages' input 1.9e-7 (the
-            # fp32 rounding floor); gates 5x.  The Markov rows are looked up exactly.
+            # fp32 rounding floor); gates 5x.  The Markov rows are looked up exactly.  GATES["fp32"] (parity.py's
+            # shared backbone gates: mean KL 1e-5 against a measured 1.6e-8) are loose here; rel. L2 is the tight one
             assert torch.equal(stack(drafts, "markov_embed"), golden[f"{tag}.markov_embed"]), label
             assert torch.equal(stack(drafts, "tokens"), golden[f"{tag}.draft_ids"]), label
             for field in ("head_in", "confidence"):
@@ -118,7 +119,8 @@ def test_drafts_match_the_official_forward(model, snapshot, golden):
         else:
             # measured: head input rel. L2 2.4e-3..4.5e-3 per step, confidence 1.8e-3..7.4e-3, the stages' input
             # 6e-3..2.7e-2 (bf16 rounding through the 9-layer backbone); the backbone's bf16 gates and
-            # block_out p90 gate for each stage's output streams
+            # block_out p90 gate for each stage's output streams.  GATES["bf16"] are parity.py's shared, documented
+            # backbone gates (mean KL 1e-3; measured here 1.1e-5), not ones fitted to this test
             assert not gate_failures(metrics, GATES["bf16"]), (label, metrics)
             assert rel(stack(drafts, "confidence"), golden[f"{tag}.confidence"]) < 2e-2, label
             assert p90_relative_l2(stack(drafts, "head_in"), golden[f"{tag}.head_in"], 3) < LAYER_GATES["block_out"] * 2

@@ -22,5 +22,6 @@ def test_kept_proxy_benchmark_runs_on_cpu():
     assert re.search(r"^kept\s+fp8/fp4 \+ float32\s+[0-9.]+\s+[0-9.]+$", out, re.MULTILINE), out
     assert re.search(r"^dequantized\s+float32\s+[0-9.]+\s+[0-9.]+$", out, re.MULTILINE), out
     cosine = re.search(r"kept vs dequantized: cosine ([0-9.]+)", out)
-    assert cosine and float(cosine[1]) > 0.999, out  # the CPU fallback decodes exactly: the same weights
+    # the CPU fallback decodes exactly, the same weights: measured 1.00000; gate = the printed 5 decimals' last step
+    assert cosine and float(cosine[1]) >= 0.99999, out
     assert "logits finite True" in out, out

@@ -142,7 +142,8 @@ def test_multi_token_step_equals_columns_and_the_full_forward_fp32(model_fp32, i
         assert relative(multi, single) <= 1e-6, start
         for row, lag in ((0, 0), (1, 3)):  # the independent reference: a full forward over the row's tokens
             full = model_fp32(ids[row : row + 1, : start - lag + WIDTH]).logits[0, -WIDTH:]
-            assert relative(multi[row], full) <= 1e-5, (start, row)  # test_static_cache's gate for one-token steps
+            # measured <= 2.8e-7 (1 and 2 threads), as test_static_cache's one-token steps; gate ~3.5x
+            assert relative(multi[row], full) <= 1e-6, (start, row)
         same_state(cache, columns, (kind, start))
         assert cache.get_seq_length() == columns.get_seq_length() == start + WIDTH
         # rolled back after partial acceptance, then the next block: still the columns' state and logits
@@ -167,6 +168,8 @@ def test_multi_token_step_within_the_bf16_gates(model_bf16, ids, kind):
         single.append(decode(model_bf16, columns, rest[:, :WIDTH], False).logits)
     multi, single = torch.cat(multi, 1).flatten(0, 1), torch.cat(single, 1).flatten(0, 1)
     assert torch.equal(multi.argmax(-1), single.argmax(-1))
+    # measured 3.5e-6 (1 thread); kept at the static cache's bf16 gate: which near-ties round the other way in bf16,
+    # and so the KL, changes with the GEMM blocking
     assert logits_metrics(single, multi)["mean_kl"] <= 1e-4
 
 

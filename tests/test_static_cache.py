@@ -195,7 +195,7 @@ def test_static_decode_equals_full_forward_fp32(model_fp32, golden_ids, monkeypa
     for i, (row, n) in enumerate(zip(rows, PROMPT_LENGTHS)):
         full = model_fp32(row[None]).logits[0, n - 1 :]
         rel = (cached[i] - full).norm(dim=-1) / full.norm(dim=-1)
-        assert rel.max() <= 1e-5, (i, rel)
+        assert rel.max() <= 1e-6, (i, rel)  # measured <= 3.0e-7 (1 and 2 threads); gate ~3x
 
 
 @torch.no_grad()
