@@ -205,6 +205,8 @@ def test_static_decode_equals_growing_cache_bf16(model_bf16, golden_ids):
     _, static, fixed = decode_logits(model_bf16, golden_ids, DeepseekV41StaticCache(model_bf16.config, capacity))
     assert static.lengths_host is None  # nothing is kept on (or read back to) the host per row
     assert torch.equal(fixed.argmax(-1), growing.argmax(-1))
+    # measured 0 here; the slack is for bf16 near-ties that round the other way under another GEMM blocking (the
+    # multi-token step, which blocks differently, measures 3.5e-6 against this gate)
     assert logits_metrics(growing.flatten(0, 1), fixed.flatten(0, 1))["mean_kl"] <= 1e-4
 
 
