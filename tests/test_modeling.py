@@ -49,9 +49,9 @@ def test_odd_lengths_are_prefixes_of_the_even_run(model):
     with torch.no_grad():
         full = model(ids).logits  # |logits| <= 0.5
         for s in (63, 37, 17, 5):
-            # fp32 sums over other shapes: measured <= 1.6e-7 (1 and 2 threads), gate ~6x; trailing-group pooling
-            # errs by >= 7e-2
-            torch.testing.assert_close(model(ids[:, :s]).logits, full[:, :s], rtol=0, atol=1e-6, msg=f"length {s}")
+            # fp32 sums over other shapes, whose order depends on the CPU's GEMM kernels: measured 1.6e-7 on one
+            # CPU and up to 2e-5 (length 5) on another, gate 5x the larger; trailing-group pooling errs by >= 7e-2
+            torch.testing.assert_close(model(ids[:, :s]).logits, full[:, :s], rtol=0, atol=1e-4, msg=f"length {s}")
 
 
 def test_right_padding_keeps_real_token_logits(model):
