@@ -168,8 +168,8 @@ def test_multi_token_step_within_the_bf16_gates(model_bf16, ids, kind):
         single.append(decode(model_bf16, columns, rest[:, :WIDTH], False).logits)
     multi, single = torch.cat(multi, 1).flatten(0, 1), torch.cat(single, 1).flatten(0, 1)
     assert torch.equal(multi.argmax(-1), single.argmax(-1))
-    # measured 3.5e-6 (1 and 2 threads); kept at the static cache's bf16 gate: which near-ties round the other way in bf16,
-    # and so the KL, changes with the GEMM blocking
+    # measured 3.5e-6 (1 and 2 threads); kept at the static cache's bf16 gate: which near-ties round the other way
+    # in bf16, and so the KL, changes with the GEMM blocking
     assert logits_metrics(single, multi)["mean_kl"] <= 1e-4
 
 

@@ -152,10 +152,11 @@ def test_compiled_decode_graph_runs_within_the_bf16_gates(model):
 def test_triton_decode_indexer_decodes_as_the_eager_indexer(v4_tokenizer, monkeypatch):
     # the default backend decode_indexer "auto" (kernels_triton.index_scores_triton on CUDA) against the eager
     # scores ("torch"), with 16 index heads (the kernel's smallest tile; the tiny config's 8 would fall back to
-    # eager).  The scores differ only in the fp32 summation order, so a pick can change only at a near tie: both models are fed the eager model's
-    # greedy tokens (64 graph steps of a left-padded batch) and give the same argmax wherever eager's top two
-    # logits are 0.01 apart (the tiny model's logits have a spread of ~0.1: at 0.01, ~70 % of positions), within
-    # test_static_cache's bf16 gate (mean KL 1e-4) over all steps.  Identical picks give identical logits
+    # eager).  The scores differ only in the fp32 summation order, so a pick can change only at a near tie: both
+    # models are fed the eager model's greedy tokens (64 graph steps of a left-padded batch) and give the same
+    # argmax wherever eager's top two logits are 0.01 apart (the tiny model's logits have a spread of ~0.1: at
+    # 0.01, ~70 % of positions), within test_static_cache's bf16 gate (mean KL 1e-4) over all steps.  Identical
+    # picks give identical logits
     from deepseek_v41 import attention
     from deepseek_v41.modeling_deepseek_v41 import GENERATE_DECODE_STEP
 
