@@ -170,8 +170,12 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def model_epoch(model) -> int:
-    return getattr(model, "_decode_graph_epoch", 0)
+def model_epoch(model) -> tuple:
+    # the model's casts and moves (and remade head copies, head_logits), and the head weight's in-place changes:
+    # a graph may read the weight's bf16 copy, which only an eager call remakes
+    head = getattr(model, "head", None)
+    weight = getattr(head, "weight", None)
+    return getattr(model, "_decode_graph_epoch", 0), (weight._version if isinstance(weight, torch.Tensor) else None)
 
 
 def graph_decode_step(model, cache, input_ids: torch.Tensor, dspark: bool = False):

@@ -386,6 +386,17 @@ class Fp32Linear(nn.Linear):
         return self.matmul(x, self.weight)
 
 
+def bf16_copy_if_exact(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """fp32 weight [V, D] -> its bf16 copy (written into ``out`` when given) if every value is a bf16 value, else
+    None.  One host read; a slice of rows at a time, so the check needs no whole-tensor temporary."""
+    out = torch.empty(weight.shape, dtype=torch.bfloat16, device=weight.device) if out is None else out
+    inexact = torch.zeros((), dtype=torch.bool, device=weight.device)
+    for rows, copy in zip(weight.split(8192), out.split(8192)):
+        copy.copy_(rows)
+        inexact |= (copy.float() != rows).any()  # NaN != NaN: a NaN weight counts as inexact
+    return None if inexact.item() else out
+
+
 def make_head_matmul(backend: dict):
     """The head's ``(x, weight) -> fp32 logits`` function for ``backend["head"]``."""
     return {"fp32": linear_fp32, "bf16x3": head_bf16x3}[backend["head"]]

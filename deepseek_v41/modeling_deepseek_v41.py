@@ -32,7 +32,15 @@ from .dspark_loss import check_dspark_training, dspark_batch_loss, dspark_loss_w
 from .engram import Engram, engram_constants, resolve_engram_tokenizer
 from .engram_host import HOST, prefetch_engram_rows, stored_table_tensors, tables_left_out
 from .kept import KeptTensor, is_kept, keep_release_formats
-from .layers import FrozenLinear, RMSNorm, is_plain_linear, make_head_loss, make_head_matmul, make_rms_norm
+from .layers import (
+    FrozenLinear,
+    RMSNorm,
+    bf16_copy_if_exact,
+    is_plain_linear,
+    make_head_loss,
+    make_head_matmul,
+    make_rms_norm,
+)
 from .mhc import mhc_ops
 from .moe import MoE, RoutedExperts, Router
 
@@ -189,6 +197,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         # cast reaches this model here) leaves the fp32 islands fp32, as loading with dtype= does: they only follow
         # the cast's device.  An empty probe tells a cast from other tensor functions (moves, to_empty, ...).
         self._decode_graph_epoch = getattr(self, "_decode_graph_epoch", 0) + 1  # captured decode graphs are stale
+        self._head_bf16 = None  # and so is the head's bf16 copy (head_logits)
         if fn(torch.empty(0)).dtype not in (torch.bfloat16, torch.float16):
             return super()._apply(fn, recurse)
         islands = {id(t) for t in fp32_island_tensors(self)}
@@ -746,9 +755,43 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [b, s, dim] -> fp32 logits [b, s, vocab]: the head kernel on a plain head; a wrapped or replaced
         # head (PEFT LoRA, ...) is called as a module, so what it adds is applied
-        if is_plain_linear(self.head):
+        if not is_plain_linear(self.head):
+            return self.head(hidden.float()).float()
+        weight = self._head_bf16_weight(hidden)
+        if weight is None:
             return self.head_matmul(hidden, self.head.weight)
-        return self.head(hidden.float()).float()
+        # bf16 x bf16 products are exact in fp32 and summed in fp32: the fp32 GEMM's logits up to summation order,
+        # from half its weight bytes on tensor cores (the head is the largest read of a decode step)
+        flat = torch.mm(hidden.reshape(-1, hidden.shape[-1]), weight.t(), out_dtype=torch.float32)
+        return flat.view(*hidden.shape[:-1], weight.shape[0])
+
+    def _head_bf16_weight(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 head weight as bf16 [vocab, dim], for inference on CUDA with bf16 hidden states when every value
+        of the weight is a bf16 value (the release stores the head in bf16; loading holds it in fp32) -> that copy,
+        or None: the fp32 GEMM.  Made once per weight version (one exactness check, a host read: not while a CUDA
+        graph is captured or its warm-up checks for host reads) and kept beside the weight (+ half its bytes);
+        made again when the weight changes, dropped by a forward with gradients.  A decode graph reading the copy
+        is stale whenever the copy is remade (the model's graph epoch) or the weight changed since."""
+        weight = self.head.weight
+        if torch.is_grad_enabled():  # training: the backend's fp32 GEMM; an update may follow, so drop the copy
+            if getattr(self, "_head_bf16", None) is not None:
+                self._head_bf16 = None
+                self._decode_graph_epoch = getattr(self, "_decode_graph_epoch", 0) + 1
+            return None
+        if not (hidden.is_cuda and hidden.dtype == torch.bfloat16 and weight.dtype == torch.float32):
+            return None
+        if type(weight.data) is not torch.Tensor or weight.device != hidden.device:  # DTensor (FSDP), offloaded
+            return None
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        held = getattr(self, "_head_bf16", None)  # (key, bf16 copy or None: not bf16-exact)
+        if held is not None and held[0] == key:
+            return held[1]
+        if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0:
+            return None  # the check reads back to the host; the next eager call makes the copy
+        reuse = held[1] if held is not None and held[1] is not None and held[1].shape == weight.shape else None
+        self._head_bf16 = (key, bf16_copy_if_exact(weight, reuse))
+        self._decode_graph_epoch = getattr(self, "_decode_graph_epoch", 0) + 1  # graphs holding the old copy
+        return self._head_bf16[1]
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
         """``GenerationMixin.generate`` after the checks transformers does not make (``check_generate_arguments``):

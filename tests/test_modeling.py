@@ -436,6 +436,25 @@ def test_bf16x3_matmul_is_fp32_accurate_and_plain_bf16_is_not():
     assert rel_err(a.bfloat16().float() @ b.bfloat16().float(), exact) > 1e-3  # what the low halves buy
 
 
+def test_bf16_copy_of_the_head_only_when_every_value_is_a_bf16_value():
+    # the check behind inference's bf16 head copy (head_logits): row slices of 8192, so use more rows than one
+    from deepseek_v41.layers import bf16_copy_if_exact
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(8192 + 40, 16, generator=g).bfloat16().float()
+    copy = bf16_copy_if_exact(weight)
+    assert copy.dtype == torch.bfloat16 and torch.equal(copy.float(), weight)
+    reused = torch.empty_like(copy)
+    assert bf16_copy_if_exact(weight, reused) is reused and torch.equal(reused, copy)
+    for row in (3, 8192 + 39):  # one value bf16 cannot hold, in the first or the last slice
+        bad = weight.clone()
+        bad[row, 5] += bad[row, 5].abs() * 2**-12 + 1e-30
+        assert bf16_copy_if_exact(bad) is None
+    bad = weight.clone()
+    bad[7, 0] = float("nan")
+    assert bf16_copy_if_exact(bad) is None
+
+
 @pytest.mark.parametrize("use", ["loss", "loss+logits", "logits"])
 def test_bf16x3_head_fused_loss_matches_head_then_cross_entropy(use):
     # The loss fused into the bf16x3 head's backward (what a labels= forward runs) against the unfused head

@@ -226,6 +226,7 @@ def activation_parts(text, layers: list, batch: int, tokens: int, attn: str, hea
         from deepseek_v41.modeling_deepseek_v41 import GENERATE_LOGIT_COPIES
 
         parts["head logits (last position)"] = GENERATE_LOGIT_COPIES * batch * text.vocab_size * 4
+        parts["head weight's bf16 copy (CUDA inference)"] = text.vocab_size * text.hidden_size * 2
     return parts
 
 

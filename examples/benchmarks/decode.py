@@ -72,6 +72,18 @@ def add_backend_arguments(parser) -> None:
                              "Triton kernel")
     parser.add_argument("--fused", action="store_true",
                         help="tile-kernels' mHC / Engram gate / quantization and the Triton norm (needs tile_kernels)")
+    parser.add_argument("--fp32-head-values", action="store_true",
+                        help="keep the head's random fp32 values (inference multiplies them in fp32); by default the "
+                             "head holds bf16 values in fp32 as a loaded release does, which CUDA inference "
+                             "multiplies from a bf16 copy on tensor cores")
+
+
+def head_as_released(model, args) -> None:
+    """The released head is stored in bf16 and held in fp32: round the random head to bf16 values the same way
+    (unless ``--fp32-head-values``), so that inference takes the path a loaded checkpoint takes."""
+    if not getattr(args, "fp32_head_values", False):
+        with torch.no_grad():
+            model.head.weight.copy_(model.head.weight.to(torch.bfloat16))
 
 
 def proxy_backend(args) -> dict:
@@ -107,6 +119,7 @@ def build_model(args, device):
         dtype = torch.bfloat16
     with torch.device(device), default_dtype(dtype):
         model = DeepseekV41ForCausalLM(config, tokenizer=tokenizer())
+    head_as_released(model, args)
     return model.eval()
 
 
@@ -186,7 +199,8 @@ def ours(args, device) -> None:
     text = model.config.text_config
     print(f"deepseek_v41, {text.num_hidden_layers} layers, hidden {text.hidden_size}, {text.n_routed_experts} experts, "
           f"{model.embed.weight.dtype}, backend {model.config.backend}; cache bytes/token steady state "
-          f"{cache_bytes_per_token(text, static=True):.0f} (static cache)")
+          f"{cache_bytes_per_token(text, static=True):.0f} (static cache); head values "
+          f"{'fp32 (--fp32-head-values)' if args.fp32_head_values else 'bf16, as released'}")
     print("context  batch  prefill s  mode        ms/token   tok/s (all rows)  kernels/step  GPU busy")
     modes = args.modes if device.type == "cuda" else ["off"]
     generator = torch.Generator(device="cpu").manual_seed(0)

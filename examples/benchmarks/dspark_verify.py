@@ -41,6 +41,7 @@ from deepseek_v41.modeling_deepseek_v41 import GENERATE_DECODE_STEP, DeepseekV41
 sys.path.insert(0, str(Path(__file__).parent))
 from decode import (
     add_backend_arguments,
+    head_as_released,
     profile_steps,
     proxy_backend,
     time_steps,
@@ -82,6 +83,7 @@ def build_model(device, args):
         dtype = torch.bfloat16
     with torch.device(device), default_dtype(dtype):
         model = DeepseekV41ForCausalLM(config, tokenizer=tokenizer())
+    head_as_released(model, args)
     return model.eval()
 
 
@@ -178,7 +180,7 @@ def main():
     what = "proxy" if device.type == "cuda" else f"{args.cpu_size} CPU config (hidden {text.hidden_size})"
     title = (f"{text.num_hidden_layers}-layer {what} + {len(model.mtp)} DSpark stages (blocks of {B}, "
              f"{text.dspark_n_routed_experts} experts top-{text.dspark_num_experts_per_tok}), {model.embed.weight.dtype}, "
-             f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, step mode {args.mode}")
+             f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, step mode {args.mode}, head values {'fp32' if args.fp32_head_values else 'bf16 (as released)'}")
     header = ("context  step ms  verify ms  verify_columns ms  draft ms  rollback ms  verify/step  verify_columns/step  "
               f"kernels step/verify/columns  GPU busy % step/verify  tok/s plain  tok/s at {args.accepted} accepted")
     lines = [title, header]

@@ -7,6 +7,7 @@
 * what cannot be captured (a host read in the step, gradients on) decodes eagerly with one log line;
 * ``decode_graph="compile"`` (Inductor's kernels captured the same way) runs and stays within the bf16 gates;
 * the decode indexer's kernel (backend ``decode_indexer: auto``, the default) decodes the eager indexer's tokens;
+* a head of bf16 values (the release's) is multiplied from its bf16 copy: the fp32 GEMM's logits, weight changes seen;
 * the torch attention backend refuses a 32k prefill it cannot hold instead of running out of memory.
 Needs a CUDA GPU; skips otherwise.
 """
@@ -198,3 +199,50 @@ def test_torch_attention_refuses_a_128k_prefill_it_cannot_hold(v4_tokenizer):
     with pytest.raises(ValueError, match="attn backend 'torch' cannot hold a prefill of 131072 columns.*tilelang"):
         model(ids)
     assert torch.cuda.max_memory_allocated() - before < 2**30  # refused before any large buffer
+
+
+@torch.no_grad()
+def test_a_head_of_bf16_values_is_multiplied_from_its_bf16_copy(v4_tokenizer):
+    """Inference on CUDA multiplies a head whose fp32 values are all bf16 values (the release's head) from a bf16
+    copy: the logits are the fp32 GEMM's (up to summation order) at the prefill and in graph steps, and stay so
+    when the weight changes in place between steps (to other bf16 values, then to values bf16 cannot hold)."""
+    model = tiny_model(v4_tokenizer, dtype=torch.bfloat16).cuda().eval()
+    weight = model.head.weight
+    weight.copy_(weight.to(torch.bfloat16))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 1000, (2, 37), generator=g).cuda()
+    worst = []
+
+    def assert_fp32_logits(hidden, logits):
+        reference = hidden.float() @ weight.t()  # the IEEE fp32 GEMM (TF32 is off by default)
+        worst.append(((logits - reference).norm() / reference.norm()).item())
+        assert worst[-1] <= 3e-7, worst[-1]  # H100: 5.8e-8 at worst (summation order only); gate 5x
+
+    def prefill():
+        cache, seen = model.static_cache(2, 128), []
+        hook = model.norm.register_forward_hook(lambda module, args, out: seen.append(out))
+        logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+        hook.remove()
+        assert_fp32_logits(seen[-1][:, -1:], logits)
+        return cache, logits[:, -1:].argmax(-1)
+
+    cache, tokens = prefill()
+    assert torch.equal(model._head_bf16[1], weight.to(torch.bfloat16))  # the copy was made and is used
+    for step in range(6):
+        if step == 2:
+            weight.mul_(2)  # still bf16 values, a new version: the graph holding the old copy is stale
+        if step == 4:
+            weight.add_(torch.randn_like(weight) * 1e-3)  # no longer bf16 values
+        hidden, logits, _ = decode_graph.graph_decode_step(model, cache, tokens)
+        cache.columns += 1
+        assert_fp32_logits(hidden, logits)
+        tokens = logits[:, -1:].argmax(-1)
+    prefill()
+    assert model._head_bf16[1] is None  # values bf16 cannot hold: the fp32 GEMM
+    weight.copy_(weight.to(torch.bfloat16))
+    prefill()
+    assert torch.equal(model._head_bf16[1], weight.to(torch.bfloat16))  # made again for the new values
+    with torch.enable_grad():
+        model(ids[:, :8])
+    assert model._head_bf16 is None  # a forward with gradients drops it (an update may follow)
+    print(f"bf16-copy head vs the fp32 GEMM, worst relative L2 over {len(worst)} calls: {max(worst):.2e}")
