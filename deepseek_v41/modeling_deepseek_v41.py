@@ -535,11 +535,13 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     decode_at_once = True
 
     def decode_widths(self, cache: DeepseekV41Cache, columns: int) -> list:
-        """How a decode forward of ``columns`` new columns per row is split into steps: one step of all of them
-        when the cache can take them at once, else one per column."""
+        """How a decode forward of ``columns`` new columns per row is split into steps: steps of as many columns
+        as the cache can take at once (``rollback_tokens`` + 1: a prompt continued in chunks goes a chunk per
+        step when its cache has that room), else one per column."""
+        width = cache.rollback_tokens + 1 if self.decode_at_once else 1
         if columns > 1 and self.decode_at_once and cache.decodes_at_once(columns):
             return [columns]
-        return [1] * columns
+        return [width] * (columns // width) + ([columns % width] if columns % width else [])
 
     def decode(self, input_ids: torch.Tensor, cache: DeepseekV41Cache, targets=()):
         """input_ids [b, n] text tokens after the cached ones -> (hidden [b, n, dim], the DSpark input [b, n, ·] of

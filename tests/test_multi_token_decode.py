@@ -174,13 +174,36 @@ def test_multi_token_step_within_the_bf16_gates(model_bf16, ids, kind):
 
 
 @torch.no_grad()
-def test_a_block_wider_than_the_rings_falls_back_to_columns(model_fp32, ids):
+def test_a_block_wider_than_the_rings_goes_in_steps_the_rings_can_take(model_fp32, ids):
     cache = new_cache(model_fp32, "growing", spare=1)
     model_fp32(ids[:, :20], cache=cache)
-    assert model_fp32.decode_widths(cache, 2) == [2] and model_fp32.decode_widths(cache, 3) == [1, 1, 1]
+    assert model_fp32.decode_widths(cache, 2) == [2] and model_fp32.decode_widths(cache, 5) == [2, 2, 1]
     columns = copy.deepcopy(cache)
-    wide = decode(model_fp32, cache, ids[:, 20:23], True).logits
-    assert torch.equal(wide, decode(model_fp32, columns, ids[:, 20:23], False).logits)
+    wide = decode(model_fp32, cache, ids[:, 20:25], True).logits
+    single = decode(model_fp32, columns, ids[:, 20:25], False).logits
+    err = ((wide - single).norm() / single.norm()).item()
+    print(f"steps of 2 vs columns: {err:.1e}")
+    assert err <= 1e-6  # steps of 2 against one column at a time: measured 1.8e-7; gate 5x
+
+
+@torch.no_grad()
+def test_a_prompt_continued_in_chunks_through_a_cache_with_room_equals_one_prefill(model_fp32, ids):
+    # a long prompt fed in chunks (the memory of one forward bounded by the chunk): each chunk one step when the
+    # cache keeps chunk - 1 spare positions, the result the one-forward prefill's
+    chunk = 16
+    full = model_fp32(ids, logits_to_keep=1).logits
+    for kind in ("growing", "static"):
+        cache = new_cache(model_fp32, kind, spare=chunk - 1)
+        widths = []
+        for start in range(0, ids.shape[1], chunk):
+            part = ids[:, start : start + chunk]
+            if start:
+                widths += model_fp32.decode_widths(cache, part.shape[1])
+            out = model_fp32(part, cache=cache, logits_to_keep=1)
+        assert widths == [chunk] * (len(widths) - 1) + [widths[-1]] and len(widths) >= 2
+        err = ((out.logits - full).norm() / full.norm()).item()
+        print(f"{kind}: chunks of {chunk} vs one prefill {err:.1e}")
+        assert err <= 1e-6, kind  # measured 1.9e-7 (growing and static); gate 5x
 
 
 @pytest.fixture(scope="module")

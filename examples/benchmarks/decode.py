@@ -3,17 +3,20 @@
     python examples/benchmarks/decode.py                                  # H200: the numbers of issue 41
     python examples/benchmarks/decode.py --baseline [--baseline-path DIR]  # + transformers' DeepSeek-V4, same run
     python examples/benchmarks/decode.py --contexts 131072 --batches 1 --modes off --no-generate   # long prefill
+    python examples/benchmarks/decode.py --contexts 131072 --batches 1 --prefill-chunk 16384 --no-generate
     python examples/benchmarks/decode.py --device cpu                     # a tiny config: checks the script runs
 
 GPU: the 4-layer released-width proxy of ``train_step.py`` (random weights, bf16; the prefill with TileLang
 attention when tilelang is installed, else torch), at each ``--contexts`` length and ``--batches`` size: the
 prefill of one row (with TileLang timed after an untimed one of the same shape, which builds its kernels; a batch
-repeats its rows: a decode step's time does not depend on what the rows hold), then per
+repeats its rows: a decode step's time does not depend on what the rows hold; ``--prefill-chunk``: the prompt in
+forwards of that many tokens through the cache, as a long prompt goes where one forward does not fit), then per
 decode mode (``--modes``; ``off``: the eager step over the static cache, ``cuda_graph``: the same step captured once
 and replayed, ``compile``: torch.compile's kernels captured the same way) the milliseconds per token (mean over
 ``--steps`` steps, after the capture and ``--warmup`` steps), tokens/s, kernels per step and the GPU-busy share of
-the step (torch.profiler over ``--profile-steps`` steps: union of kernel time / span from the first step's start to
-the last kernel's end).  Each step is called as generate calls it (``forward`` on one new column, without the
+the step two ways: ``GPU busy``, torch.profiler over ``--profile-steps`` steps: union of kernel time / span from the
+first step's start to the last kernel's end (the profiler's own per-kernel cost widens the gaps of a replayed graph);
+``kernel/step``, that kernel time per step / the unprofiled ms per token.  Each step is called as generate calls it (``forward`` on one new column, without the
 value checks of a direct call).  Then ``generate()`` greedy, a ``--gen-prompt``-token prompt and ``--gen-new`` new
 tokens at each ``--gen-batches`` size, new tokens/s (the second of two calls: the first captures the graph).
 ``--baseline``: transformers' ``DeepseekV4ForCausalLM`` (V4-Flash width, 4 layers, 32 experts, eager, its own
@@ -123,16 +126,42 @@ def build_model(args, device):
     return model.eval()
 
 
-def warm_up_kernels(model, ids) -> None:
-    # TileLang builds its kernels for each prefill shape at first use: an untimed prefill of the same shape first
+def prefill(model, ids, cache, chunk: int = 0):
+    """The prompt ids [b, T] into the cache in one forward, or (``chunk``) in forwards of ``chunk`` tokens through
+    the cache, each one multi-token step (the cache keeps chunk - 1 spare positions: ``new_cache``), run eagerly
+    -> the last forward's output (logits of the last position)."""
+    chunk, mode = chunk or ids.shape[1], model.decode_graph
+    model.decode_graph = "off"  # a chunk is not a step worth a graph of its own
+    try:
+        for start in range(0, ids.shape[1], chunk):
+            out = model(ids[:, start : start + chunk], cache=cache, logits_to_keep=1)
+    finally:
+        model.decode_graph = mode
+    return out
+
+
+def new_cache(model, length: int, chunk: int = 0):
+    """A static cache of ``length`` positions; with room for a prefill in chunks (``chunk`` - 1 spare positions in
+    its rings, so that a chunk continues the prompt in one step)."""
+    from deepseek_v41.cache_deepseek_v41 import DeepseekV41StaticCache
+
+    return DeepseekV41StaticCache(model.config, length, rollback_tokens=max(chunk - 1, 0))
+
+
+def warm_up_kernels(model, ids, chunk: int = 0) -> None:
+    # TileLang builds its kernels for each prefill shape at first use: an untimed prefill of the same shapes first
     if ids.is_cuda and model.config.backend["attn"] == "tilelang":
         with torch.inference_mode():
-            model(ids, logits_to_keep=1)
+            prefill(model, ids, new_cache(model, ids.shape[1], chunk) if chunk else None, chunk)
 
 
 def profile_steps(step, n: int, device, table=None, title=""):
-    """(kernels per step, GPU-busy share) of n calls of step() (CPU: aten ops per step, busy n/a).  ``table``: a file
-    to which the step's kernels by total time are appended (name, calls and microseconds per step), under ``title``."""
+    """(kernels per step, GPU-busy share, kernel seconds per step) of n calls of step() (CPU: aten ops per step, the
+    others n/a).  The busy share is the union of the kernels' time over the span from the first call's start to the
+    last kernel's end, under the profiler (which lengthens the gaps between a graph's ~800 kernels); the kernel
+    seconds (that union per step, GPU clocks) over the unprofiled step time is the other measure of the same.
+    ``table``: a file to which the step's kernels by total time are appended (name, calls and microseconds per
+    step), under ``title``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -146,7 +175,7 @@ def profile_steps(step, n: int, device, table=None, title=""):
     if device.type != "cuda":
         ops = [e for e in events if e.name.startswith("aten::")  # the top-level ops of each call
                and (e.cpu_parent is None or e.cpu_parent.name == "decode_step")]
-        return len(ops) / n, float("nan")
+        return len(ops) / n, float("nan"), float("nan")
     steps = [e for e in events if e.name == "decode_step" and e.device_type != torch.autograd.DeviceType.CUDA]
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events  # (the step's GPU-side range is not one)
                      if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "decode_step"
@@ -154,7 +183,7 @@ def profile_steps(step, n: int, device, table=None, title=""):
     if table is not None:
         write_kernel_table(events, n, table, title)
     if not kernels or not steps:
-        return 0.0, float("nan")
+        return 0.0, float("nan"), float("nan")
     busy, start_open, end_open = 0.0, None, None
     for start, end in kernels:  # union of the kernels' intervals
         if end_open is None or start > end_open:
@@ -165,7 +194,7 @@ def profile_steps(step, n: int, device, table=None, title=""):
             end_open = max(end_open, end)
     busy += end_open - start_open
     span = max(end for _, end in kernels) - min(e.time_range.start for e in steps)
-    return len(kernels) / n, busy / span
+    return len(kernels) / n, busy / span, busy * 1e-6 / n  # profiler times are in microseconds
 
 
 def write_kernel_table(events, n: int, path, title: str, rows: int = 45) -> None:
@@ -192,7 +221,7 @@ def time_steps(step, n: int, device) -> float:
 
 
 def ours(args, device) -> None:
-    from deepseek_v41.cache_deepseek_v41 import DeepseekV41StaticCache, cache_bytes_per_token
+    from deepseek_v41.cache_deepseek_v41 import cache_bytes_per_token
     from deepseek_v41.modeling_deepseek_v41 import GENERATE_DECODE_STEP
 
     model = build_model(args, device)
@@ -201,21 +230,21 @@ def ours(args, device) -> None:
           f"{model.embed.weight.dtype}, backend {model.config.backend}; cache bytes/token steady state "
           f"{cache_bytes_per_token(text, static=True):.0f} (static cache); head values "
           f"{'fp32 (--fp32-head-values)' if args.fp32_head_values else 'bf16, as released'}")
-    print("context  batch  prefill s  mode        ms/token   tok/s (all rows)  kernels/step  GPU busy")
+    print("context  batch  prefill s  mode        ms/token   tok/s (all rows)  kernels/step  GPU busy  kernel/step")
     modes = args.modes if device.type == "cuda" else ["off"]
     generator = torch.Generator(device="cpu").manual_seed(0)
     for ctx in args.contexts:
         ids = torch.randint(3, 129000, (1, ctx), generator=generator).to(device)
-        warm_up_kernels(model, ids)
+        warm_up_kernels(model, ids, args.prefill_chunk)
         for batch in args.batches:
             steps_needed = 2 * (args.warmup + args.steps + args.profile_steps) + 4
             with torch.inference_mode():
-                cache = DeepseekV41StaticCache(model.config, ctx + len(modes) * steps_needed)
+                cache = new_cache(model, ctx + len(modes) * steps_needed, args.prefill_chunk)
                 synchronize(device)
                 start = time.perf_counter()
-                out = model(ids, cache=cache, logits_to_keep=1)
+                out = prefill(model, ids, cache, args.prefill_chunk)
                 synchronize(device)
-                prefill = time.perf_counter() - start
+                prefill_s = time.perf_counter() - start
                 if batch > 1:
                     cache.batch_repeat_interleave(batch)
                 token = out.logits[:, -1:].argmax(-1).expand(batch, 1).contiguous()
@@ -226,10 +255,11 @@ def ours(args, device) -> None:
                     for _ in range(args.warmup + 1):  # the first step of a graph mode captures it
                         step()
                     seconds = time_steps(step, args.steps, device)
-                    kernels, busy = profile_steps(step, args.profile_steps, device, args.kernel_table,
-                                                  f"deepseek_v41 context {ctx} batch {batch} {mode}")
-                    print(f"{ctx:7d} {batch:6d} {prefill:10.3f}  {mode:10s} {1e3 * seconds:9.2f} "
-                          f"{batch / seconds:17.1f} {kernels:13.0f} {100 * busy:8.1f} %", flush=True)
+                    kernels, busy, kernel_s = profile_steps(step, args.profile_steps, device, args.kernel_table,
+                                                            f"deepseek_v41 context {ctx} batch {batch} {mode}")
+                    print(f"{ctx:7d} {batch:6d} {prefill_s:10.3f}  {mode:10s} {1e3 * seconds:9.2f} "
+                          f"{batch / seconds:17.1f} {kernels:13.0f} {100 * busy:8.1f} % "
+                          f"{100 * kernel_s / seconds:9.1f} %", flush=True)
                     cache.graph = None  # the next mode captures its own
             del cache
             if device.type == "cuda":
@@ -269,7 +299,7 @@ def baseline(args, device) -> None:
     with torch.device(device):
         model = DeepseekV4ForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
     print(f"transformers {transformers.__version__} DeepseekV4ForCausalLM, 4 layers, 32 experts, bf16, eager")
-    print("context  batch  prefill s  mode        ms/token   tok/s (all rows)  kernels/step  GPU busy")
+    print("context  batch  prefill s  mode        ms/token   tok/s (all rows)  kernels/step  GPU busy  kernel/step")
     generator = torch.Generator(device="cpu").manual_seed(0)
     for ctx in args.contexts:
         for batch in args.batches:
@@ -287,10 +317,11 @@ def baseline(args, device) -> None:
                     for _ in range(args.warmup):
                         step()
                     seconds = time_steps(step, args.steps, device)
-                    kernels, busy = profile_steps(step, args.profile_steps, device, args.kernel_table,
-                                                  f"transformers DeepseekV4 context {ctx} batch {batch} eager")
+                    kernels, busy, kernel_s = profile_steps(step, args.profile_steps, device, args.kernel_table,
+                                                            f"transformers DeepseekV4 context {ctx} batch {batch} eager")
                 print(f"{ctx:7d} {batch:6d} {prefill:10.3f}  {'eager':10s} {1e3 * seconds:9.2f} "
-                      f"{batch / seconds:17.1f} {kernels:13.0f} {100 * busy:8.1f} %", flush=True)
+                      f"{batch / seconds:17.1f} {kernels:13.0f} {100 * busy:8.1f} % "
+                      f"{100 * kernel_s / seconds:9.1f} %", flush=True)
             except torch.OutOfMemoryError as error:
                 print(f"{ctx:7d} {batch:6d}  out of memory: {str(error).splitlines()[0][:120]}", flush=True)
             cache = token = None
@@ -328,6 +359,8 @@ def main():
     parser.add_argument("--gen-new", type=int, default=32)
     parser.add_argument("--gen-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--no-generate", action="store_true", help="skip the generate() rows")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="prefill in forwards of this many tokens through the cache (0: the prompt in one)")
     parser.add_argument("--baseline", action="store_true",
                         help="also transformers' DeepseekV4ForCausalLM, in a subprocess of this run")
     parser.add_argument("--baseline-path", default="",

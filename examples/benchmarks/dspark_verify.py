@@ -122,9 +122,9 @@ def measure(model, ids, block, args, device) -> str:
         call()
     timer = time_steps if device.type == "cuda" else cpu_seconds
     ms = {name: 1e3 * timer(call, args.reps, device) for name, call in calls.items()}
-    k_step, busy_step = profile_steps(calls["step"], 3, device)
-    k_verify, busy_verify = profile_steps(calls["verify"], 3, device)
-    k_columns, _ = profile_steps(calls["verify_columns"], 3, device)
+    k_step, busy_step, _ = profile_steps(calls["step"], 3, device)
+    k_verify, busy_verify, _ = profile_steps(calls["verify"], 3, device)
+    k_columns, _, _ = profile_steps(calls["verify_columns"], 3, device)
     if args.profile_table:  # where each call's time goes: the top ops by self time (CPU) or kernels (CUDA)
         op_table(calls, args.profile_table, f"context {ids.shape[1]}", device)
     plain = 1e3 / ms["step"]
