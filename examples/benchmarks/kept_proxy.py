@@ -54,7 +54,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import header, synchronize, time_steps, tiny_text_config, tokenizer
+from decode import header, profile_steps, synchronize, time_steps, tiny_text_config, tokenizer
 from engram_host import init_weights_except, timed
 from train_step import proxy_config
 
@@ -344,7 +344,7 @@ def how_it_ran(model, cache, token) -> str:
 
 
 @torch.inference_mode()
-def decode_ms(model, batch: int, args, device) -> tuple:
+def decode_ms(model, batch: int, args, device, label: str = "") -> tuple:
     """(milliseconds per decode step of ``batch`` rows at ``--context``, how the steps ran): the CUDA-graph step
     where it can be captured, else eager (a failing graph step is retried eagerly on a fresh cache)."""
     from deepseek_v41.cache_deepseek_v41 import DeepseekV41StaticCache
@@ -365,7 +365,10 @@ def decode_ms(model, batch: int, args, device) -> tuple:
             for _ in range(args.decode_warmup + 1):  # a graph mode captures at the first step
                 step()
             used = how_it_ran(model, cache, token)
-            return 1e3 * time_steps(step, args.steps, device), used + note
+            ms = 1e3 * time_steps(step, args.steps, device)
+            if args.kernel_table:  # where the step's GPU time goes (decode.py's table)
+                profile_steps(step, 3, device, args.kernel_table, f"{label} batch {batch}, context {args.context}")
+            return ms, used + note
         except Exception as error:
             if mode == "off":
                 raise
@@ -395,7 +398,7 @@ def speed_part(args, device) -> dict:
     decode = {label: {} for label in models}
     for batch in args.batches:
         for label, model in models.items():
-            row = guarded(f"decode {label} batch {batch}", decode_ms, model, batch, args, device)
+            row = guarded(f"decode {label} batch {batch}", decode_ms, model, batch, args, device, label)
             if row is not None:
                 decode[label][batch] = row
                 print(f"  decode {label:<11s} batch {batch:3d}, context {args.context}: {row[0]:8.3f} ms/step "
@@ -449,6 +452,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per row")
     parser.add_argument("--decode-warmup", type=int, default=3, help="untimed decode steps after the capture")
     parser.add_argument("--torch-attention", action="store_true", help="attn torch even with tilelang")
+    parser.add_argument("--kernel-table", help="append each decode step's kernels by total time to this file")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
