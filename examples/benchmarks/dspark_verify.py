@@ -43,10 +43,12 @@ from decode import (
     add_backend_arguments,
     head_as_released,
     profile_steps,
+    synchronize,
     proxy_backend,
     time_steps,
     tiny_text_config,
     tokenizer,
+    write_kernel_table,
 )
 
 DSPARK = {"num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
@@ -145,17 +147,22 @@ def cpu_seconds(call, n: int, device) -> float:
 
 
 def op_table(calls, path, title, device, reps=3, rows=12):
+    """Append where each call's time goes: its kernels by time per call (CUDA, decode.py's table) or its top ops by
+    self CPU time (CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    with open(path, "a") as f:
-        for name in ("step", "verify", "verify_columns"):
-            with profile(activities=activities) as prof:
-                for _ in range(reps):
-                    calls[name]()
+    for name in ("step", "verify", "verify_columns"):
+        with profile(activities=activities) as prof:
+            for _ in range(reps):
+                calls[name]()
+            synchronize(device)
+        if device.type == "cuda":
+            write_kernel_table(prof.events(), reps, path, f"{title}, {name}")
+            continue
+        with open(path, "a") as f:
             f.write(f"\n## {title}, {name} ({reps} calls)\n")
-            f.write(prof.key_averages().table(sort_by=sort, row_limit=rows) + "\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows) + "\n")
 
 
 def main():
