@@ -224,6 +224,7 @@ def test_decoded_values_are_close_to_the_weights():
     w = make_weight((96, 160), "normal")
     fp8 = decode_fp8_blockwise(*encode_fp8_blockwise(w))
     fp4 = decode_fp4_packed(*encode_fp4_packed(w))
+    # the formats' rounding bounds; measured 0.045 and 0.174 of the max (1 and 2 threads): 1.4x
     assert (fp8 - w).abs().max() <= w.abs().max() * 2.0**-4
     assert (fp4 - w).abs().max() <= w.abs().max() * 0.25
     assert (fp4 - w).abs().max() > (fp8 - w).abs().max()  # FP4 is the coarser format

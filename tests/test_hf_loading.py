@@ -31,7 +31,8 @@ def test_partial_backend_through_the_auto_class(snapshot, reference):
     assert model.config.backend == {**DEFAULT_BACKEND, "experts": "torch"}
     assert not model.layers[0].ffn.experts.grouped
     with torch.no_grad():
-        torch.testing.assert_close(model(IDS).logits, reference, rtol=1e-5, atol=1e-5)
+        # measured 0 (1 and 2 threads); gate 4 fp32 ulps of the largest logit (8.2): another experts backend
+        torch.testing.assert_close(model(IDS).logits, reference, rtol=0, atol=4e-6)
 
 
 def test_misspelt_backend_is_a_value_error_on_every_path(snapshot):

@@ -49,7 +49,7 @@ def test_gradient_accumulation_equals_one_large_batch(base, tmp_path):
     assert all(layer.gradient_checkpointing for layer in accumulated.layers)
     moved = 0
     for (name, a), b, start in zip(whole.named_parameters(), accumulated.parameters(), base.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-7, msg=name)  # measured 1.2e-7 (1 and 2 threads); 4.2x
         moved += not torch.equal(a, start)
     assert moved > 10
 
@@ -120,4 +120,4 @@ def test_trainer_resumes_from_its_own_checkpoint(base, tmp_path):
     run(2, out="interrupted")
     resumed = run(3, resume=str(tmp_path / "interrupted" / "checkpoint-2"), out="interrupted")
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)  # measured bit-equal (1 and 2 threads)

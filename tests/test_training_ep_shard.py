@@ -58,8 +58,10 @@ def test_experts_are_sharded_at_rest_and_training_matches_ep_shard_1(runs):
     got, ref = records(a), records(b)
     assert sorted(got) == sorted(ref) == [1, 2, 3]
     for step in ref:
-        assert abs(got[step]["loss"] - ref[step]["loss"]) < 1e-5, (step, got[step], ref[step])
-        assert abs(got[step]["grad_norm"] / ref[step]["grad_norm"] - 1) < 1e-5, (step, got[step], ref[step])
+        # loss: measured 0 at every step; gate ~4 fp32 ulps of the loss, for the gloo sums over 4 vs 2 ranks.
+        # grad norm: measured rel 7.9e-8 (step 3; the workers run at 1 thread); gate 3.8x
+        assert abs(got[step]["loss"] - ref[step]["loss"]) < 4e-6, (step, got[step], ref[step])
+        assert abs(got[step]["grad_norm"] / ref[step]["grad_norm"] - 1) < 3e-7, (step, got[step], ref[step])
     assert ref[3]["lr"] > ref[2]["lr"] > 0  # step 3's loss follows a real update (the warmup starts at 0)
 
 

@@ -50,7 +50,8 @@ def test_documented_layouts(released, monkeypatch):
     h100 = plan.plan_memory(config, recipe, 128, 4096)
     ep128 = plan.plan_memory(config, _with(recipe, **{"distributed.ep_size": 128}), 128, 4096)
     for part in ("parameters", "gradients", "optimizer state"):
-        assert h100[part] == pytest.approx(ep128[part]) and h100[part] == pytest.approx(gb200[part] / 2, rel=0.02)
+        # the second: measured exactly half (was rel=0.02)
+        assert h100[part] == pytest.approx(ep128[part]) and h100[part] == pytest.approx(gb200[part] / 2)
     text = plan.format_plan(h100, 79.6, "h100")
     assert "fits: NO" in text and "optimizer state" in text  # at 4096 tokens; the documented layout uses 1024
     assert plan.verdict(plan.plan_memory(config, recipe, 128, 1024), 79.6)[0]
@@ -140,6 +141,7 @@ def test_activation_model_matches_the_measured_cpu_peak():
     assert out.returncode == 0, out.stderr[-3000:]
     words = out.stdout.split()
     measured, planned = float(words[words.index("MEASURED") + 1]), float(words[words.index("PLANNED") + 1])
+    # measured 0.023-0.027 over 3 runs (1 and 2 threads); gate 5.7x: peak RSS varies with allocator and platform
     assert abs(planned - measured) / measured < 0.15, (measured / 2**20, planned / 2**20)
 
 

@@ -3,7 +3,7 @@ damaged folders, refused recipe changes, no hang when one rank fails, and a one-
 its process groups freed.
 
 One saved run (world 2, EP 2, 2 Engram owners, async saves every update) is shared by every bf16 case; an
-fp32 twin of it (saved at step 2) is resumed at world 1 and 4 and must reproduce its steps 3-5 to 1e-5.
+fp32 twin of it (saved at step 2) is resumed at world 1 and 4 and must reproduce its steps 3-5 to 4e-6.
 Runs on the same number of ranks share one launch (the twin follows the bf16 run; at world 4 both resume, one
 after the other): each rank's Python start-up is most of a tiny run's time.
 This file is also the torchrun worker for these launches and the kill-during-save and failure cases
@@ -170,8 +170,8 @@ def test_resume_at_another_layout_reshards(saved, saved_fp32, resumed, precision
 
     Both precisions: the state loaded at the new layout, saved again there, equals the saved state bit for
     bit (weights, moments, steps; int16 remainders in bf16), and the first update's loss (computed from that
-    state) matches the straight run's to 1e-5.
-    fp32: every later update's loss matches to 1e-5 too (measured <= 1e-6): resharding loses nothing and
+    state) matches the straight run's to 4e-6 (measured 0; ~4 fp32 ulps of the loss).
+    fp32: every later update's loss matches to 4e-6 too (measured <= 8.5e-7): resharding loses nothing and
     the update is layout-invariant.  bf16: later losses match to 1e-2 only (measured 1.5e-3 / 4.3e-3): the
     gradients of the updates after the resume are bf16 sums over other groupings (micro-batches per rank,
     all-to-all token groups per expert), and Adam turns those roundings into lr-sized steps on coordinates
@@ -189,7 +189,8 @@ def test_resume_at_another_layout_reshards(saved, saved_fp32, resumed, precision
         assert torch.equal(before[key], after[key]), key
     ref, got = losses(tmp / "A"), losses(out)
     assert sorted(got) == ([3, 4] if precision == "bf16" else [3, 4, 5])
-    tolerance = {3: 1e-5, 4: 1e-2} if precision == "bf16" else dict.fromkeys(got, 1e-5)
+    # measured: step 3 0; fp32 later steps <= 8.5e-7 (gate 4.7x); bf16 step 4 4.3e-3 (gate 2.3x, see above)
+    tolerance = {3: 4e-6, 4: 1e-2} if precision == "bf16" else dict.fromkeys(got, 4e-6)
     assert all(abs(got[s] - ref[s]) < tolerance[s] for s in got), (precision, world, got, ref)
 
 
