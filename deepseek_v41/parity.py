@@ -14,6 +14,10 @@ GATES = {
     "fp32": {"mean_kl": 1e-5, "p95_kl": 1e-5, "cosine": 0.99999, "top1": 0.99, "rel_l2": 5e-3},
     "bf16": {"mean_kl": 1e-3, "p95_kl": 2e-3, "cosine": 0.999, "top1": 0.98},
 }
+# The fixtures' README gate (c): p90 per-token rel. L2, teacher-forced bf16.  Measured, worst layer of both fixtures
+# (1 and 2 threads): attn_out 6.0e-3 (gate 3.4x), ffn_out 6.4e-3 (2.3x), block_out 1.9e-3 (2.7x); engram_out 0
+# (the same bf16 ops; the README's honest variants too): its 5e-3 is the README's, at block_out's level since
+# another rounding order of the Engram branch moves the same stream (the README's Engram bug errs 3.2e-2)
 LAYER_GATES = {"engram_out": 5e-3, "attn_out": 2e-2, "ffn_out": 1.5e-2, "block_out": 5e-3}
 
 

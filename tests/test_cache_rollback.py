@@ -96,7 +96,8 @@ def test_rollback_equals_a_cache_that_never_saw_the_tokens(model, ids, kind):
 @torch.no_grad()
 def test_rollback_into_the_prompt(model, ids):
     # forgetting prompt positions too: the state equals a shorter prefill's up to the GEMMs' summation order (a
-    # prefill of another length; measured <= 2e-7 relative), and decoding continues the same
+    # prefill of another length; measured <= 2e-7 relative), and decoding continues the same.  Per element: |err|
+    # 1.4e-6 (1 thread) / 1.9e-6 (2 threads), 71 % of the old atol 1e-6 + rtol 1e-5 gate; atol 5e-6: 15 % (~6.5x)
     for prompt, k in ((6, 1), (7, 2), (8, SPARE)):
         rolled, fresh = new_cache(model, "growing"), new_cache(model, "growing")
         model(ids[:, :prompt], cache=rolled)
@@ -107,8 +108,9 @@ def test_rollback_into_the_prompt(model, ids):
         for key, value in expected.items():
             pairs = zip(got[key], value) if isinstance(value, tuple) else [(got[key], value)]
             for a, b in pairs:
-                assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6), (prompt, k, key)
+                assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=5e-6), (prompt, k, key)
         after = ids[:, prompt - k : prompt - k + 3]
+        # measured 0 (1 and 2 threads); the slack is for the state's round-off above reaching the logits
         assert torch.allclose(decode(model, rolled, after), decode(model, fresh, after), rtol=1e-5, atol=1e-5)
 
 
@@ -126,6 +128,7 @@ def test_rows_roll_back_by_their_own_counts(model, ids):
         model(ids[row : row + 1, :n], cache=single)
         step = model(ids[row : row + 1, n : n + 1], cache=single).logits
         ours = model(ids[row : row + 1, n : n + 1], cache=_row(rolled, row)).logits
+        # measured 0 (1 and 2 threads); the slack is for a batch of 2 rows blocking the GEMMs differently from 1
         assert torch.allclose(ours, step, rtol=0, atol=1e-5), row
 
 

@@ -149,6 +149,9 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, offi
     assert {name: c["positions"] for name, c in every["classes"].items()} == {
         "in_window": 2 * window, "past_window": 2 * (SEQ - window)}
     assert whole["gates"] == {**tool.default_gates(weights), "reference_rel_l2": tool.CONSISTENCY_GATE}
+    # the checker's own max-KL gates (conversion/compare_with_official.py, calibrated at ~3x the worst of 22 prompts
+    # x both --weights), not fitted to these 2 rows: here max KL in_window 1.6e-3 of 3.5e-2, past_window 4.4e-3 of
+    # 6.6e-2 (1 and 2 threads); the bug tests below show what fails them
     for metrics in (every, last):  # two implementations: close, never identical
         for name, figures in metrics["classes"].items():
             assert 0 < figures["mean_kl"] <= figures["max_kl"] <= whole["gates"][name]["max_kl"], name
@@ -183,8 +186,10 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, offi
     assert code == 0 and streamed["passed"]
     assert all(live == {str(i)} for i, live in official_live) and len(official_live) == 9 + 2  # + 2 Engram
     assert len(ours_loaded) == 1 + 9  # embed / norm / head, then one block at a time
-    for key in ("every_position", "returned_logits"):  # the same computation, streamed
-        assert flat(streamed[key]) == pytest.approx(flat(whole[key]), rel=1e-6, abs=1e-12), key
+    # the same computation, streamed: measured bit-identical (1 and 2 threads), so exact (was rel 1e-6; exact also
+    # compares the None leaves, e.g. near_tie.top1, which pytest.approx >= 9 refuses)
+    for key in ("every_position", "returned_logits"):
+        assert flat(streamed[key]) == flat(whole[key]), key
     assert streamed["official_run"] == whole["official_run"]
 
 
@@ -246,7 +251,7 @@ def test_a_bug_in_our_model_fails_the_gates(tmp_path, paths, official, bug, weig
         assert any(f.startswith(f"every position{' /' if ':' in gate else ':'} {gate}") for f in report["failures"]), (
             gate, report["failures"])
     assert report["every_position"]["decisive"]["top1"] == 1.0  # a random tiny model: the bugs move no decisive top-1
-    assert report["reference_rel_l2"] < 1e-6  # the official references still agree
+    assert report["reference_rel_l2"] < 1e-6  # the official references still agree (measured 2.9e-8: see above)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -118,14 +118,16 @@ def test_decode_equals_full_forward_fp32(model_fp32, golden_ids, monkeypatch):
     without_quantization(model_fp32, monkeypatch)
     for full, cached in cached_decode_logits(model_fp32, golden_ids, PROMPT_LENGTHS):
         rel = (cached - full).norm(dim=-1) / full.norm(dim=-1)  # per step
-        assert rel.max() <= 1e-5, rel
+        assert rel.max() <= 1e-6, rel  # measured <= 2.7e-7 (1 thread) / 3.0e-7 (2 threads); gate ~3x
 
 
 @torch.no_grad()
 def test_decode_equals_full_forward_bf16(model_bf16, golden_ids):
     for full, cached in cached_decode_logits(model_bf16, golden_ids, PROMPT_LENGTHS):
         assert torch.equal(cached.argmax(-1), full.argmax(-1))
-        assert logits_metrics(full, cached)["mean_kl"] <= 1e-3
+        # measured 0 (1 and 2 threads); the slack is for bf16 near-ties that round the other way under another GEMM
+        # blocking (test_static_cache's multi-token step measures 3.5e-6 against the same 1e-4)
+        assert logits_metrics(full, cached)["mean_kl"] <= 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -185,12 +187,14 @@ def test_greedy_decode_matches_official_incremental_decode(official_code, snapsh
     prefilled = official_prefill(tokens, 0)[1][0, prompt.shape[1] - 1 :].float()
     ours = cached_logits_on(model_bf16, tokens, prompt.shape[1])
     gates = {k: GATES["bf16"][k] for k in ("mean_kl", "cosine")}
+    # parity.py's shared bf16 gates: measured mean KL 5.6e-4, 1 - cosine 5.2e-4 (1 and 2 threads; ~2x)
     assert not gate_failures(logits_metrics(decoded, ours), gates)
     kl_ours = [logits_metrics(decoded[step], ours[step])["mean_kl"] for step in range(steps + 1)]
     kl_official = [logits_metrics(decoded[step], prefilled[step])["mean_kl"] for step in range(steps + 1)]
-    assert max(kl_ours) <= 1.5 * max(kl_official), (kl_ours, kl_official)  # no step worse than its own noise
+    # no step worse than its own noise: measured max KL 3.30e-3 (ours) vs 3.36e-3 (official), ratio 0.98
+    assert max(kl_ours) <= 1.5 * max(kl_official), (kl_ours, kl_official)
     consistent = decoded.argmax(-1) == prefilled.argmax(-1)
-    assert consistent.float().mean() >= 0.9
+    assert consistent.float().mean() >= 0.9  # measured 0.94 (2 official near-tie flips of 33)
     assert torch.equal(ours.argmax(-1)[consistent], decoded.argmax(-1)[consistent])
     generated = model_bf16.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None)
     first_flip = int((~consistent).nonzero()[0]) if not consistent.all() else steps
@@ -232,7 +236,8 @@ def test_left_padded_batch_generates_each_prompt_as_alone(model_bf16, golden_ids
     logits = model_bf16(ids, attention_mask=mask).logits
     for row, p in enumerate(prompts):
         single = model_bf16(p[None]).logits[0]
-        assert logits_metrics(single, logits[row, width - p.numel() :])["mean_kl"] <= 1e-3
+        # measured 0 (1 and 2 threads); slack for bf16 near-ties under another GEMM blocking, as above
+        assert logits_metrics(single, logits[row, width - p.numel() :])["mean_kl"] <= 1e-4
 
 
 @torch.no_grad()
