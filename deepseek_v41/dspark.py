@@ -404,7 +404,10 @@ def speculative_generate(model, input_ids, attention_mask=None, max_new_tokens: 
         draft_probs = []
         draft = draft_block(model, state, nxt, picker(draft_probs) if do_sample else None)  # greedy: a graph
         block = torch.cat([nxt.unsqueeze(1), draft.tokens], 1)  # [b, B+1] at each row's positions lengths..
-        verify = model(block, past_key_values=cache, use_cache=True, output_dspark_hidden=True)
+        # the block's ids come from the model (its draft and its pick): no value checks, whose host reads would
+        # idle the GPU before every verification (the name is modeling's GENERATE_DECODE_STEP)
+        verify = model(block, past_key_values=cache, use_cache=True, output_dspark_hidden=True,
+                       _generate_decode_step=True)
         if do_sample:
             target = torch.softmax(verify.logits / temperature, -1)
             accepted, nxt = accept_sampled(torch.stack(draft_probs, 1), draft.tokens, target, generator)

@@ -784,8 +784,10 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
             return None
         if type(weight.data) is not torch.Tensor or weight.device != hidden.device:  # DTensor (FSDP), offloaded
             return None
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
         held = getattr(self, "_head_bf16", None)  # (key, bf16 copy or None: not bf16-exact)
+        if torch.compiler.is_compiling():  # traced (decode_graph "compile"): the copy the eager prefill made, as
+            return None if held is None else held[1]  # data_ptr cannot be traced; model_epoch makes graphs stale
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
         if held is not None and held[0] == key:
             return held[1]
         if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0:

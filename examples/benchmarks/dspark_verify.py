@@ -114,7 +114,7 @@ def measure(model, ids, block, args, device) -> str:
 
     calls = {
         "step": lambda: model(token, cache=cache, **{GENERATE_DECODE_STEP: True}),
-        "verify": lambda: model(block, cache=cache, output_dspark_hidden=True),
+        "verify": lambda: model(block, cache=cache, output_dspark_hidden=True, **{GENERATE_DECODE_STEP: True}),
         "verify_columns": columns,
         "draft": lambda: draft_block(model, state, token[:, 0]),
         "rollback": lambda: cache.rollback(0),
