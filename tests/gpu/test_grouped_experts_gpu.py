@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gpu_metrics import rel_err
+from gpu_metrics import gate, rel_err, report
 
 from deepseek_v41.moe import RoutedExperts
 
@@ -64,7 +64,8 @@ def test_grouped_experts_match_the_loop(counts):
     errs = {name: (rel_err(g, ref), rel_err(l, ref)) for name, (g, l, ref) in pairs.items()}
     print("rel. error vs fp64, grouped / loop: " + ", ".join(f"{k} {a:.2e}/{b:.2e}" for k, (a, b) in errs.items()))
     for name, (grouped_err, loop_err) in errs.items():
-        assert grouped_err <= 2 * loop_err, (name, grouped_err, loop_err)
+        report(f"{name}_loop_vs_fp64", loop_err)
+        gate(f"{name}_vs_fp64", grouped_err, 2 * loop_err, inclusive=True)  # limit: 2x the loop's error
     for name in ("w1", "w3", "w2"):
         g = grouped.get_parameter(name).grad
         for e in range(E):  # an expert that got no token gets exactly zero gradient
