@@ -47,8 +47,8 @@ How the 32-wide K blocks are honoured (``MMA`` in a kernel configuration picks t
   wgmma takes its left operand from registers, so the decoded tile skips the trip through shared memory.
   Measured (quantized_gemm.py, H100 and H200): 0.3-0.5x our bf16 GEMMs at prefill for both formats, activation
   quantization included: Triton's path for a register-decoded operand, not the bytes, bounds them there.
-* No MMA (MMA 3, decode: up to ``GEMV_ROWS`` rows per weight): the decoded weight tile times the rows with fp32
-  FMAs on the CUDA cores; a one-token step reads each weight once and nothing else bounds it.
+* No MMA (MMA 3, up to ``GEMV_ROWS`` rows per tile): the decoded weight tile times the rows with fp32 FMAs on the
+  CUDA cores.  An option for decode, not a default: slower than the bf16 MMA configurations as measured so far.
 
 Both read the weights in their stored bytes (half or a quarter of bf16), which is what decode is bound by.
 """
@@ -339,28 +339,27 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k[None, :], (values * s).to(tl.bfloat16), mask=out_live)
 
 
-# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("gemv" up to 8,
-# "decode" up to 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA 0: the
-# FP8 MMA with a promotion per 32-block, 1: the bf16 MMA on decoded tiles, 2: the same with the decoded weight tile
-# as the left operand, 3: no MMA (fp32 FMAs; BLOCK_M 0 = the rows rounded up to a power of two).  Prefill and
-# medium: the fastest of quantized_gemm.py --sweep on an H100 (MMA 2 at 256x128 ahead of MMA 1 by 10-15 %, of the
-# FP8 MMA by 15-40 %; examples/benchmarks/results/quantized_gemm_h100.txt); gemv and decode: the fastest of
-# quantized_gemm.py --decode-sweep (kernel time in a replayed CUDA graph, as a decode step runs them).
+# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("decode" up to 64,
+# "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA 0: the FP8 MMA with a
+# promotion per 32-block, 1: the bf16 MMA on decoded tiles, 2: the same with the decoded weight tile as the left
+# operand, 3: no MMA (fp32 FMAs; BLOCK_M 0 = the rows per weight rounded up to a power of two, at most GEMV_ROWS).
+# Prefill and medium: the fastest of quantized_gemm.py --sweep on an H100 (MMA 2 at 256x128 ahead of MMA 1 by
+# 10-15 %, of the FP8 MMA by 15-40 %; examples/benchmarks/results/quantized_gemm_h100.txt); decode: the fastest at
+# one row.  MMA 3 is not a default: with (0, 32, 8, 4, 2, *, 3) for dense, grouped and SwiGLU the kept proxy's GEMMs
+# took 3.4 ms per one-token step against 2.1 ms with these, and 26.1 ms against 2.1 ms at 32 tokens (H100,
+# results/kept_proxy_h100.txt); quantized_gemm.py --decode-sweep times its candidates.
 CONFIGS = {
-    "dense_gemv": (0, 32, 8, 4, 2, 0, 3),
     "dense_decode": (64, 64, 2, 4, 6, 0, 1),
     "dense_medium": (128, 128, 2, 8, 3, 1, 2),
     "dense_prefill": (256, 128, 2, 8, 3, 1, 2),
-    "grouped_gemv": (0, 32, 8, 4, 2, 1, 3),
     "grouped_decode": (64, 64, 2, 4, 6, 1, 1),
     "grouped_medium": (128, 128, 2, 8, 3, 1, 2),
     "grouped_prefill": (256, 128, 2, 8, 3, 1, 2),
-    "swiglu_gemv": (0, 32, 8, 4, 2, 1, 3),
     "swiglu_decode": (64, 32, 2, 4, 6, 1, 1),
     "swiglu_medium": (128, 64, 2, 4, 3, 1, 2),
     "swiglu_prefill": (128, 64, 2, 4, 3, 1, 2),
 }
-GEMV_ROWS = 8  # rows per weight up to which the "gemv" configurations serve
+GEMV_ROWS = 8  # the largest BLOCK_M an MMA 3 configuration takes
 # From this many rows on, fp8_linear decodes the weight to bf16 (a transient [N, K], freed after the call) and
 # multiplies the quantized activations' bf16 values with cuBLAS: the same exact products, summed in fp32, at the bf16
 # GEMM's speed, which the register-decoding Triton kernels reach only 0.3-0.5x of (quantized_gemm.py).
@@ -374,9 +373,7 @@ EXPERT_SCRATCH_BYTES = 2 << 30
 
 def _config(kind: str, rows: int, config):
     if config is None:
-        size = ("gemv" if rows <= GEMV_ROWS else "decode" if rows <= 64 else "medium" if rows <= 512
-                else "prefill")
-        config = CONFIGS[f"{kind}_{size}"]
+        config = CONFIGS[f"{kind}_{'decode' if rows <= 64 else 'medium' if rows <= 512 else 'prefill'}"]
     if config[0] == 0:  # BLOCK_M from the rows: 1, 2, 4 or 8
         config = (min(triton.next_power_of_2(max(rows, 1)), GEMV_ROWS), *config[1:])
     return config

@@ -86,7 +86,8 @@ FP8_MMA, BF16_MMA, SWAP_MMA = (128, 128, 2, 8, 3, 1, 0), (128, 128, 2, 8, 3, 1, 
         (64, 96, 200, (64, 32, 2, 4, 3, 3, 0)),
         (256, 256, 512, BF16_MMA),  # tiles inside N and K: the unmasked weight loads
         (256, 256, 512, FP8_MMA),
-        (1, 512, 5120, None),  # decode, released wkv shape: the FMA (gemv) configuration, split K by default
+        (1, 512, 5120, None),  # decode, released wkv shape, split K by default
+        (1, 512, 5120, (0, 32, 8, 4, 2, 0, 3)),  # FMAs (MMA 3), one row, split K
         (3, 200, 320, (0, 32, 2, 4, 2, 3, 3)),  # FMAs: ragged N, 3 rows in a tile of 4, split K
         (8, 96, 200, (8, 32, 2, 4, 2, 1, 3)),  # FMAs: ragged K (partial 32-group)
         (32, 256, 512, (8, 64, 4, 4, 2, 0, 3)),  # FMAs: several row tiles, unmasked weight loads
@@ -119,7 +120,8 @@ def test_fp8_linear_against_fp64_on_the_same_fp8_operands(m, n, k, config):
 
 
 @pytest.mark.parametrize("n,groups,d,r,config", [
-    (1, 8, 512, 128, None),  # decode: FMAs
+    (1, 8, 512, 128, None),  # decode
+    (1, 8, 512, 128, (0, 32, 2, 4, 2, 1, 3)),  # FMAs
     (5, 8, 512, 128, None),
     (300, 4, 320, 96, None),  # prefill-like, ragged K
     (300, 4, 320, 96, SWAP_MMA),
@@ -225,7 +227,8 @@ def reference_experts(x, counts, weights, w1, w3, w2, limit):
         (COUNTS, 256, 160, 1.0, ((128, 64, 2, 4, 3, 1, 2), SWAP_MMA)),
         ([150, 0, 300, 77], 5120, 2304, 10.0, ((128, 128, 2, 8, 3, 1, 2), SWAP_MMA)),
         ([150, 0, 300, 77], 5120, 2304, 10.0, (None, None)),  # released shapes
-        ([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, (None, None)),  # decode: the FMA (gemv) configurations
+        ([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, (None, None)),  # decode: one row per expert
+        ([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, ((0, 32, 8, 4, 2, 1, 3), (0, 32, 8, 4, 2, 1, 3))),  # FMAs
         (COUNTS, 256, 160, 1.0, ((8, 32, 2, 4, 2, 1, 3), (4, 64, 2, 4, 2, 1, 3))),
         # prefill (>= DECODED_EXPERT_ROWS rows per expert): experts decoded to bf16 in chunks, torch._grouped_mm
         ([600, 0, 900, 300, 0, 500, 1, 300], 256, 160, 1.0, (None, None)),
