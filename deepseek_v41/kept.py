@@ -225,11 +225,14 @@ class KeptFp8Linear(_KeptModule):
         """Block-diagonal product (attention's ``wo_a``): o [n, groups, d] -> [n, groups·r], group g through rows
         g·r..(g+1)·r. Each group's rows are whole scale blocks when r is a multiple of the block (the release:
         r = 1024); otherwise every group goes through all rows and keeps its own block (the diagonal).
-        Always the tile-by-tile product with unquantized activations: the official code decodes ``wo_a`` to bf16
-        at conversion and multiplies in bf16 (no FP8 activation rounding), so the FP8 GEMM kernels, which
-        quantize the activations, would depart from it."""
+        The activations are not quantized: the official code decodes ``wo_a`` to bf16 at conversion and
+        multiplies in bf16.  On an FP8 GPU one grouped kernel reads the stored weight (``fp8_block_diagonal_linear``,
+        bf16 activations); elsewhere the tile-by-tile product."""
         _refuse_training(self)
         r = self.out_features // groups
+        kernels = quantized_kernels(o)
+        if kernels is not None and self.block == (32, 32) and r % self.block[0] == 0:
+            return kernels.fp8_block_diagonal_linear(o, self.weight, self.scale)
         if r % self.block[0]:
             y = fp8_linear_tiled(o, self.weight, self.scale, self.block).unflatten(-1, (groups, r))
             return y.diagonal(dim1=1, dim2=2).transpose(1, 2).flatten(1)

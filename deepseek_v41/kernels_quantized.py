@@ -12,6 +12,11 @@ block (architecture.md §4, §6).  These functions do the same on the GPU withou
   a [ceil(K/32), M] buffer (the layout the GEMMs read), so use it through indexing, not ``.data_ptr()``.
 * ``fp8_linear(x, weight, scale)``: x [..., K] bf16, weight float8_e4m3fn [N, K], scale [ceil(N/32), ceil(K/32)]
   (float8_e8m0fnu or float32) -> bf16 [..., N] = act_quant_fp8 + the block-scaled GEMM (below).
+  From ``DECODED_GEMM_ROWS`` rows on (prefill) the weight is decoded to a transient bf16 [N, K] and cuBLAS
+  multiplies the quantized activations' bf16 values: the same exact products, at the bf16 GEMM's speed.
+* ``fp8_block_diagonal_linear(o, weight, scale)``: attention's ``wo_a``, o bf16 [n, G, d] -> [n, G·r], group g
+  through weight rows g·r..(g+1)·r, activations not quantized (the official code multiplies ``wo_a`` in bf16).
+* ``decode_fp8_weight(weight, scale)``: FP8 [N, K] + 32x32 block scales -> bf16 [N, K].
 * ``fp4_grouped_gemm(a, a_scale, codes, scales, counts)``: FP8 activations [m, K] (rows sorted by group,
   ``counts`` [G] rows each) times packed FP4 weights codes [G, N, K/2] (int8/uint8, low nibble = even k), scales
   [G, N, ceil(K/32)] -> bf16 [m, N].
@@ -42,6 +47,8 @@ How the 32-wide K blocks are honoured (``MMA`` in a kernel configuration picks t
   wgmma takes its left operand from registers, so the decoded tile skips the trip through shared memory.
   Measured (quantized_gemm.py, H100 and H200): 0.3-0.5x our bf16 GEMMs at prefill for both formats, activation
   quantization included: Triton's path for a register-decoded operand, not the bytes, bounds them there.
+* No MMA (MMA 3, up to ``GEMV_ROWS`` rows per tile): the decoded weight tile times the rows with fp32 FMAs on the
+  CUDA cores.  An option for decode, not a default: slower than the bf16 MMA configurations as measured so far.
 
 Both read the weights in their stored bytes (half or a quarter of bf16), which is what decode is bound by.
 """
@@ -223,7 +230,8 @@ if triton is not None:
         chain accumulates over all of K (the same products, exact in both); MMA 2 computes the transposed tile,
         weight tile [BLOCK_N, 32] x activations^T [32, BLOCK_M], so the decoded weights are the MMA's left operand,
         which Hopper's wgmma reads from registers (no store of the decoded tile to shared memory and no fence before
-        each MMA), and a few rows (decode) fill the MMA's narrow side.
+        each MMA), and a few rows (decode) fill the MMA's narrow side.  MMA 3 (a few rows, BLOCK_M <= 8): no MMA,
+        the same products summed with fp32 FMAs on the CUDA cores; a decode step is bound by the weight bytes.
         EVEN: K is a multiple of 32 * SUB and N of BLOCK_N, so only the rows need masks."""
         g, m0, m_end, n0 = _tile(tl.program_id(0), M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED,
                                  BLOCK_M, BLOCK_N, GROUP_M)
@@ -260,7 +268,9 @@ if triton is not None:
                     a = tl.load(a_rows + kb * 32 + k32[None, :], mask=a_mask, other=0.0)
                     b, sb = _b_block(b_base, bs_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
                                      BS_E8M0, BS_ROWS, MMA >= 1, EVEN)
-                    if MMA == 2:
+                    if MMA == 3:  # a few rows: FMAs on the CUDA cores, the weight bytes bound it
+                        acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+                    elif MMA == 2:
                         acc = tl.dot(b, tl.trans(a), acc)
                     elif MMA >= 1:
                         acc = tl.dot(a, tl.trans(b), acc)
@@ -270,7 +280,9 @@ if triton is not None:
                     if SWIGLU:
                         b2, sb2 = _b_block(b2_base, bs2_base, offs_n, n_live, kb, K, stride_bn, stride_bsn, B_FP4,
                                            BS_E8M0, BS_ROWS, MMA >= 1, EVEN)
-                        if MMA == 2:
+                        if MMA == 3:
+                            acc2 += tl.sum(a.to(tl.float32)[:, None, :] * b2.to(tl.float32)[None, :, :], axis=2)
+                        elif MMA == 2:
                             acc2 = tl.dot(b2, tl.trans(a), acc2)
                         elif MMA >= 1:
                             acc2 = tl.dot(a, tl.trans(b2), acc2)
@@ -293,12 +305,49 @@ if triton is not None:
                      mask=m_live[:, None] & n_live[None, :])
 
 
+    @triton.jit
+    def _fp8_decode_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_sn, BS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        # FP8 weight [N, K] with 32x32 block scales -> its values in bf16 (exact: a code times a power of two)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        live = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+        index = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        w = tl.load(w_ptr + index, mask=live, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + (offs_n[:, None] // 32) * stride_sn + offs_k[None, :] // 32, mask=live, other=0)
+        if BS_E8M0:
+            s = _e8m0_to_f32(s)
+        tl.store(out_ptr + index, (w * s).to(tl.bfloat16), mask=live)
+
+
+    @triton.jit
+    def _fp4_decode_kernel(c_ptr, s_ptr, out_ptr, R, K, stride_sr, BS_E8M0: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        # packed E2M1 rows [R, K/2] (low nibble = even k) with per-32 scales [R, ceil(K/32)] -> bf16 [R, K]
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        half = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        live = (rows[:, None] < R) & (2 * half[None, :] < K)
+        packed = tl.load(c_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :], mask=live, other=0)
+        packed = packed.to(tl.int32)
+        values = tl.reshape(tl.join(_e2m1_to_f32_scaled(packed), _e2m1_to_f32_scaled(packed >> 4)),
+                            (BLOCK_R, BLOCK_K)) * 8.507059173023462e37  # 2^126
+        k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        out_live = (rows[:, None] < R) & (k[None, :] < K)
+        s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sr + k[None, :] // 32, mask=out_live, other=0)
+        if BS_E8M0:
+            s = _e8m0_to_f32(s)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k[None, :], (values * s).to(tl.bfloat16), mask=out_live)
+
+
 # (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("decode" up to 64,
 # "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA 0: the FP8 MMA with a
 # promotion per 32-block, 1: the bf16 MMA on decoded tiles, 2: the same with the decoded weight tile as the left
-# operand.  Prefill and medium: the fastest of quantized_gemm.py --sweep on an H100 (MMA 2 at 256x128 ahead of
-# MMA 1 by 10-15 %, of the FP8 MMA by 15-40 %; examples/benchmarks/results/quantized_gemm_h100.txt); decode: the
-# fastest at one row (timings there are launch-bound).
+# operand, 3: no MMA (fp32 FMAs; BLOCK_M 0 = the rows per weight rounded up to a power of two, at most GEMV_ROWS).
+# Prefill and medium: the fastest of quantized_gemm.py --sweep on an H100 (MMA 2 at 256x128 ahead of MMA 1 by
+# 10-15 %, of the FP8 MMA by 15-40 %; examples/benchmarks/results/quantized_gemm_h100.txt); decode: the fastest at
+# one row.  MMA 3 is not a default: with (0, 32, 8, 4, 2, *, 3) for dense, grouped and SwiGLU the kept proxy's GEMMs
+# took 3.4 ms per one-token step against 2.1 ms with these, and 26.1 ms against 2.1 ms at 32 tokens (H100,
+# results/kept_proxy_h100.txt); quantized_gemm.py --decode-sweep times its candidates.
 CONFIGS = {
     "dense_decode": (64, 64, 2, 4, 6, 0, 1),
     "dense_medium": (128, 128, 2, 8, 3, 1, 2),
@@ -310,12 +359,24 @@ CONFIGS = {
     "swiglu_medium": (128, 64, 2, 4, 3, 1, 2),
     "swiglu_prefill": (128, 64, 2, 4, 3, 1, 2),
 }
+GEMV_ROWS = 8  # the largest BLOCK_M an MMA 3 configuration takes
+# From this many rows on, fp8_linear decodes the weight to bf16 (a transient [N, K], freed after the call) and
+# multiplies the quantized activations' bf16 values with cuBLAS: the same exact products, summed in fp32, at the bf16
+# GEMM's speed, which the register-decoding Triton kernels reach only 0.3-0.5x of (quantized_gemm.py).
+DECODED_GEMM_ROWS = 1024
+# The routed experts likewise from this many rows per expert on (prefill): each chunk of experts (at most
+# EXPERT_SCRATCH_BYTES of bf16 weights at once) is decoded and multiplied with torch._grouped_mm.  Decoding an
+# expert costs about as much as 100-200 rows of its GEMMs; the FP4 kernels run at 0.38x the bf16 grouped GEMM.
+DECODED_EXPERT_ROWS = 256
+EXPERT_SCRATCH_BYTES = 2 << 30
 
 
 def _config(kind: str, rows: int, config):
-    if config is not None:
-        return config
-    return CONFIGS[f"{kind}_{'decode' if rows <= 64 else 'medium' if rows <= 512 else 'prefill'}"]
+    if config is None:
+        config = CONFIGS[f"{kind}_{'decode' if rows <= 64 else 'medium' if rows <= 512 else 'prefill'}"]
+    if config[0] == 0:  # BLOCK_M from the rows: 1, 2, 4 or 8
+        config = (min(triton.next_power_of_2(max(rows, 1)), GEMV_ROWS), *config[1:])
+    return config
 
 
 @functools.cache
@@ -386,8 +447,9 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
         torch.cumsum(torch.div(counts + (block_m - 1), block_m, rounding_mode="floor"), 0, out=tile_start[1:])
         tiles_m = triton.cdiv(m, block_m) + n_groups  # an upper bound on the row tiles: no host sync for the count
     tiles = tiles_m * triton.cdiv(n, block_n)
-    if split == 0:  # enough K slices for about two programs per SM, each at least 4 steps long
-        split = max(1, min(2 * _sm_count(a.device) // tiles, triton.cdiv(k, 32 * sub * 4)))
+    if split == 0:  # enough K slices for about two programs per SM (four without MMA), each >= 4 (2) steps long
+        per_sm, steps = (4, 2) if mma == 3 else (2, 4)
+        split = max(1, min(per_sm * _sm_count(a.device) // tiles, triton.cdiv(k, 32 * sub * steps)))
     if split > 1 and (swiglu is not None or counts is not None):
         raise ValueError("SPLIT_K > 1 serves the dense GEMM only")
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
@@ -421,11 +483,100 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
     rows = x.reshape(-1, k)
     if not rows.shape[0]:
         return x.new_empty(*x.shape[:-1], n, dtype=out_dtype)
+    if config is None and rows.shape[0] >= DECODED_GEMM_ROWS:
+        a, _ = _act_quant_t(rows, qdq=True)
+        w = decode_fp8_weight(weight, scale)
+        out = torch.matmul(a, w.t()) if out_dtype == torch.bfloat16 else torch.matmul(a.float(), w.float().t())
+        return out.to(out_dtype).view(*x.shape[:-1], n)
     config = _config("dense", rows.shape[0], config)
     a, a_scale = _act_quant_t(rows, qdq=bool(config[6]))
     out = _launch(a, a_scale, weight.contiguous(), b_scale, out_dtype, n=n, k=k, b_fp4=False, bs_e8m0=e8m0,
                   bs_rows=GROUP, config=config, strides=(0, k, 0, b_scale.shape[1]))
     return out.view(*x.shape[:-1], n)
+
+
+@torch.compiler.disable
+def decode_fp8_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 weight [N, K] with 32x32 block scales [ceil(N/32), ceil(K/32)] (UE8M0 or F32) -> bf16 [N, K] on the GPU."""
+    b_scale, e8m0 = _scale_arg(scale, "decode_fp8_weight scale")
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=weight.device)
+    if n and k:
+        grid = (triton.cdiv(n, 32), triton.cdiv(k, 256))
+        _fp8_decode_kernel[grid](weight.contiguous(), b_scale, out, n, k, b_scale.shape[1], BS_E8M0=e8m0,
+                                 BLOCK_N=32, BLOCK_K=256, num_warps=4)
+    return out
+
+
+@torch.compiler.disable
+def decode_fp4_weights(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes [..., N, K/2] (int8/uint8, low nibble = even k) with per-32 scales [..., N, ceil(K/32)]
+    (UE8M0 or F32) -> bf16 [..., N, K] on the GPU."""
+    k = 2 * codes.shape[-1]
+    s, e8m0 = _scale_arg(scales, "decode_fp4_weights scales")
+    c = codes.contiguous().view(torch.uint8)
+    out = torch.empty(*codes.shape[:-1], k, dtype=torch.bfloat16, device=codes.device)
+    rows = c.numel() // max(c.shape[-1], 1)
+    if rows and k:
+        grid = (triton.cdiv(rows, 32), triton.cdiv(k, 256))
+        _fp4_decode_kernel[grid](c, s, out, rows, k, s.shape[-1], BS_E8M0=e8m0, BLOCK_R=32, BLOCK_K=256,
+                                 num_warps=4)
+    return out
+
+
+def _decoded_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit):
+    # prefill: fp4_grouped_experts' computation with each chunk of experts decoded to bf16 and torch._grouped_mm
+    # (the same products: the activations' FP8 values are exact in bf16); one host read of the row counts
+    from .kernels_triton import weighted_swiglu_triton
+
+    n_experts, inter, dim = w1.shape[0], w1.shape[1], 2 * w1.shape[2]
+    a, _ = _act_quant_t(x, qdq=True)
+    out = torch.empty(x.shape[0], dim, dtype=torch.bfloat16, device=x.device)
+    chunk = max(1, EXPERT_SCRATCH_BYTES // (2 * 3 * inter * dim))
+    ends = [0, *counts.cumsum(0).tolist()]
+    for e0 in range(0, n_experts, chunk):
+        e1 = min(e0 + chunk, n_experts)
+        r0, r1 = ends[e0], ends[e1]
+        if r1 == r0:
+            continue
+        offs = counts[e0:e1].cumsum(0).to(torch.int32)
+        gate = torch._grouped_mm(a[r0:r1], decode_fp4_weights(w1[e0:e1], w1_scale[e0:e1]).transpose(-2, -1), offs=offs)
+        up = torch._grouped_mm(a[r0:r1], decode_fp4_weights(w3[e0:e1], w3_scale[e0:e1]).transpose(-2, -1), offs=offs)
+        h, _ = _act_quant_t(weighted_swiglu_triton(gate, up, weights[r0:r1].float(), limit), qdq=True)
+        out[r0:r1] = torch._grouped_mm(h, decode_fp4_weights(w2[e0:e1], w2_scale[e0:e1]).transpose(-2, -1),
+                                       offs=offs)
+    return out
+
+
+@torch.compiler.disable
+def fp8_block_diagonal_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, config=None) -> torch.Tensor:
+    """Attention's ``wo_a`` on its stored FP8 weight: o bf16 [n, G, d] -> bf16 [n, G·r], group g through weight rows
+    g·r..(g+1)·r (weight float8_e4m3fn [G·r, d], 32x32 block scales, r a multiple of 32).  The activations stay
+    bf16: the official code decodes ``wo_a`` to bf16 at conversion and multiplies in bf16, so they are not
+    quantized here (the bf16 MMA or FMAs read them as they are; the products are exact in fp32 either way)."""
+    n, groups, d = o.shape
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight.shape[1] != d or weight.shape[0] % groups:
+        raise ValueError(f"fp8_block_diagonal_linear: weight {weight.dtype} {tuple(weight.shape)} is not an FP8 "
+                         f"[groups·r, {d}] for o {tuple(o.shape)}")
+    r = weight.shape[0] // groups
+    if r % GROUP or tuple(scale.shape) != (ceil_div(weight.shape[0], GROUP), ceil_div(d, GROUP)):
+        raise ValueError(f"fp8_block_diagonal_linear: {groups} groups of {r} rows need r a multiple of {GROUP} and "
+                         f"scales [{ceil_div(weight.shape[0], GROUP)}, {ceil_div(d, GROUP)}]; got scale "
+                         f"{tuple(scale.shape)}")
+    b_scale, e8m0 = _scale_arg(scale, "fp8_block_diagonal_linear scale")
+    _check_usable(o, "fp8_block_diagonal_linear")
+    if not n:
+        return o.new_empty(0, groups * r)
+    config = _config("grouped", n, config)
+    if not config[6]:
+        raise ValueError("fp8_block_diagonal_linear multiplies bf16 activations: it needs a bf16 MMA or FMA "
+                         f"configuration (MMA 1, 2 or 3), got {config}")
+    a = o.to(torch.bfloat16).transpose(0, 1).reshape(groups * n, d)  # rows sorted by group
+    counts = torch.full((groups,), n, dtype=torch.int32, device=o.device)
+    blocks_k = b_scale.shape[1]
+    out = _launch(a, a, weight.contiguous(), b_scale, torch.bfloat16, n=r, k=d, b_fp4=False, bs_e8m0=e8m0,
+                  bs_rows=GROUP, config=config, strides=(r * d, d, (r // GROUP) * blocks_k, blocks_k), counts=counts)
+    return out.view(groups, n, r).transpose(0, 1).reshape(n, groups * r)
 
 
 def _check_fp4(codes: torch.Tensor, scales: torch.Tensor, k: int, name: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -497,6 +648,9 @@ def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_s
         return x.new_empty(0, dim, dtype=torch.bfloat16)
     counts = counts.to(x.device)
     rows_per_expert = m // max(n_experts, 1)
+    if (configs == (None, None) and rows_per_expert >= DECODED_EXPERT_ROWS
+            and not torch.cuda.is_current_stream_capturing()):
+        return _decoded_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit)
     up_config = _config("swiglu", rows_per_expert, configs[0])
     down_config = _config("grouped", rows_per_expert, configs[1])
     a, a_scale = _act_quant_t(x, qdq=bool(up_config[6]))

@@ -97,14 +97,19 @@ def test_fallback_logits_equal_the_dequantizing_load(fixture, engram_device, mon
 
 def test_wo_a_multiplies_unquantized_activations(monkeypatch):
     """The official code decodes ``wo_a`` to bf16 and multiplies in bf16: the kept ``wo_a`` must never go through the
-    FP8 kernels (they round the activations to FP8), even where they are usable; its output equals the decoded
-    weight's bf16 product per group, bit for bit."""
+    FP8 linear (it rounds the activations to FP8). Where the kernels are usable it goes to the block-diagonal kernel
+    with the activations as they are (that kernel is checked against fp64 in tests/gpu/test_quantized_kernels_gpu.py);
+    the fallback's output equals the decoded weight's bf16 product per group, bit for bit."""
+    calls = []
 
     class Kernels:
         def fp8_linear(self, *args, **kwargs):
             raise AssertionError("wo_a went through the FP8 GEMM (activations quantized)")
 
-    monkeypatch.setattr(kept_module, "quantized_kernels", lambda x: Kernels())
+        def fp8_block_diagonal_linear(self, o, weight, scale):
+            calls.append((o, weight, scale))
+            return torch.zeros(o.shape[0], weight.shape[0], dtype=o.dtype)
+
     attn = load("v41_tiny_text", None).layers[0].attn
     wo_a, groups = attn.wo_a, attn.o_groups
     o = torch.randn(5, groups, wo_a.in_features, dtype=torch.bfloat16)
@@ -112,7 +117,10 @@ def test_wo_a_multiplies_unquantized_activations(monkeypatch):
     r = wo_a.out_features // groups
     expected = torch.cat([o[:, g] @ weight[g * r:(g + 1) * r].t() for g in range(groups)], dim=-1)
     with torch.no_grad():
-        assert torch.equal(wo_a.grouped_forward(o, groups), expected)
+        assert torch.equal(wo_a.grouped_forward(o, groups), expected)  # no kernels on the CPU: the fallback
+        monkeypatch.setattr(kept_module, "quantized_kernels", lambda x: Kernels())
+        wo_a.grouped_forward(o, groups)
+    assert len(calls) == 1 and calls[0][0] is o and calls[0][1] is wo_a.weight and calls[0][2] is wo_a.scale
 
 
 def test_fallback_logits_equal_in_fp32():

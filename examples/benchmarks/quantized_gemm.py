@@ -4,6 +4,7 @@
     python examples/benchmarks/quantized_gemm.py --official DIR        # also the official TileLang fp8/fp4_gemm
     python examples/benchmarks/quantized_gemm.py --sweep               # time the kernel configurations
     python examples/benchmarks/quantized_gemm.py --ptxas               # no GPU: compile them for sm_90, report
+    python examples/benchmarks/quantized_gemm.py --decode-sweep        # decode sizes, replayed from CUDA graphs
 
 Dense: the released FP8 linears' shapes (architecture.md §12) at prefill (``--tokens``) and decode (``--decode``)
 row counts.  ``fp8_linear`` (activation quantization + block-scaled FP8 GEMM) and its GEMM alone (activations
@@ -21,6 +22,11 @@ PyPI tilelang on the path).  Its ``fp8_gemm`` takes 128-wide blocks (V4) unless 
 run one ``Expert.forward`` per expert (act_quant + fp4_gemm three times, SwiGLU in eager PyTorch), as
 the official ``MoE.forward`` does.  CUDA-event medians.
 
+``--decode-sweep``: the decode step's GEMMs as a captured decode step runs them (``gpu_timing.graph_time_us``:
+kernel time without the host's launch cost): the dense linears and ``wo_a`` (block-diagonal, bf16 activations)
+at ``--decode`` rows, the routed experts (``--experts``, top-``--topk``) for ``--decode`` tokens, each candidate
+configuration (``DECODE_SWEEP``) against the bf16 path on the decoded weights; GB/s counts the weight bytes read.
+
 ``--ptxas`` needs Triton but no GPU: each ``SWEEP`` configuration compiled for sm_90 as a launch would (16-byte
 aligned pointers, K and N multiples of 16), with ptxas' registers and spill stack per thread, the shared memory,
 and the instructions per thread in the main loop (one step of SUB 32-blocks) read off the SASS.
@@ -35,7 +41,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from gpu_timing import report, time_ms
+from gpu_timing import graph_time_us, report, time_ms
 
 from deepseek_v41 import kernels_quantized as kq
 from deepseek_v41.modeling_deepseek_v41 import default_dtype
@@ -292,6 +298,88 @@ def sweep(args):
     return lines, best
 
 
+# decode candidates (BLOCK_M 0 = the rows per weight rounded up to a power of two, at most 8)
+DECODE_SWEEP = {
+    "dense": [(0, 32, 8, 4, 2, 0, 3), (0, 64, 8, 4, 2, 0, 3), (0, 16, 8, 4, 2, 0, 3), (0, 32, 4, 4, 3, 0, 3),
+              (0, 64, 4, 8, 2, 0, 3), (0, 128, 4, 8, 2, 0, 3), (64, 64, 2, 4, 6, 0, 1), (16, 64, 4, 4, 3, 0, 2),
+              (32, 64, 4, 4, 4, 0, 2)],
+    "grouped": [(0, 32, 8, 4, 2, 1, 3), (0, 64, 8, 4, 2, 1, 3), (0, 16, 8, 4, 2, 1, 3), (0, 64, 4, 8, 2, 1, 3),
+                (0, 128, 4, 8, 2, 1, 3), (64, 64, 2, 4, 6, 1, 1), (16, 64, 4, 4, 3, 1, 2)],
+    "swiglu": [(0, 32, 8, 4, 2, 1, 3), (0, 64, 8, 4, 2, 1, 3), (0, 16, 8, 4, 2, 1, 3), (0, 64, 4, 8, 2, 1, 3),
+               (0, 32, 4, 8, 2, 1, 3), (64, 32, 2, 4, 6, 1, 1), (16, 32, 4, 4, 3, 1, 2)],
+}
+WO_A = (16, 1024, 4096)  # released wo_a: 16 groups of 4096 inputs -> 1024 outputs each
+
+
+def decode_sweep(args):
+    """Each decode-size GEMM per candidate configuration, in replayed CUDA graphs -> (lines, fastest per kind)."""
+    lines = ["# decode sweep: us per call replayed from a CUDA graph (no launch cost); GB/s of weight bytes read"]
+    total = {}  # kind -> config -> summed us over the kind's cases
+
+    def row(kind, label, config, us, wbytes):
+        if config is not None:
+            total.setdefault(kind, {}).setdefault(config, 0.0)
+            total[kind][config] += us
+        lines.append(f"{kind:8s} {label:34s} {config!s:28s} {us:9.1f} us {wbytes / us / 1e3:8.0f} GB/s")
+        print(lines[-1], flush=True)
+
+    for m in args.decode:
+        for name, n, k in DENSE:
+            wq, ws = encode_fp8_blockwise(torch.randn(n, k, device="cuda") * k**-0.5)
+            wb = decode_fp8_blockwise(wq, ws, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            label = f"{name} M={m} {n}x{k}"
+            row("dense", label + " bf16", None, graph_time_us(partial(torch.matmul, x, wb.T)), 2 * n * k)
+            for config in DECODE_SWEEP["dense"]:
+                fn = partial(kq.fp8_linear, x, wq, ws, config=config)
+                fn()
+                row("dense", label, config, graph_time_us(fn), n * k)
+        groups, r, d = WO_A
+        wq, ws = encode_fp8_blockwise(torch.randn(groups * r, d, device="cuda") * d**-0.5)
+        wb = decode_fp8_blockwise(wq, ws, dtype=torch.bfloat16).view(groups, r, d)
+        o = torch.randn(m, groups, d, device="cuda").bfloat16()
+        label = f"wo_a M={m} {groups}x{r}x{d}"
+        row("wo_a", label + " bf16", None, graph_time_us(partial(torch.bmm, o.transpose(0, 1), wb.transpose(1, 2))),
+            2 * groups * r * d)
+        for config in DECODE_SWEEP["grouped"]:
+            fn = partial(kq.fp8_block_diagonal_linear, o, wq, ws, config=config)
+            fn()
+            row("wo_a", label, config, graph_time_us(fn), groups * r * d)
+    E, D, I = args.experts, args.hidden, args.inter
+    model = RoutedExperts(SimpleNamespace(n_routed_experts=E, hidden_size=D, moe_intermediate_size=I,
+                                          swiglu_limit=10.0), {"experts": "torch_mm"}).cuda()
+    packed = {}
+    with torch.no_grad():
+        for name in ("w1", "w3", "w2"):
+            w = getattr(model, name)
+            pairs = [encode_fp4_packed(w[e].float().normal_(0, w.shape[-1] ** -0.5)) for e in range(E)]
+            packed[name] = (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+            w.copy_(torch.stack([decode_fp4_packed(*p) for p in pairs]))
+    model = model.bfloat16()
+    gen = torch.Generator().manual_seed(0)
+    for tokens in args.decode:
+        # each token picks topk distinct experts
+        picks = torch.stack([torch.randperm(E, generator=gen)[: args.topk] for _ in range(tokens)]).flatten()
+        counts = torch.bincount(picks, minlength=E).cuda()
+        rows = tokens * args.topk
+        x = torch.randn(rows, D, device="cuda").bfloat16()
+        weights = torch.rand(rows, device="cuda")
+        live = int((counts > 0).sum())
+        wbytes = live * 3 * D * I  # bf16 reads 2 bytes per weight, FP4 half a byte (+ a scale byte per 32)
+        label = f"experts {tokens} tok x top{args.topk} of {E} ({live} live)"
+        with torch.no_grad():
+            row("experts", label + " bf16", None, graph_time_us(partial(model.grouped_forward, x, counts, weights)),
+                2 * wbytes)
+        for up, down in zip(DECODE_SWEEP["swiglu"], DECODE_SWEEP["grouped"]):
+            fn = partial(kq.fp4_grouped_experts, x, counts, weights, *packed["w1"], *packed["w3"], *packed["w2"], 10.0,
+                         configs=(up, down))
+            fn()
+            row("experts", label, (up, down), graph_time_us(fn), wbytes * (0.5 + 1 / 32))
+    best = {kind: min(times, key=times.get) for kind, times in total.items()}
+    lines.append(f"# fastest (summed over the cases): {best}")
+    return lines, best
+
+
 def ptxas_report():
     """Compile the SWEEP configurations for sm_90 without a GPU and report what ptxas made of them."""
     import re
@@ -386,6 +474,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--official", type=Path, help="folder holding the official TileLang kernel.py")
     ap.add_argument("--sweep", action="store_true", help="only time the kernel configurations")
+    ap.add_argument("--decode-sweep", action="store_true", help="only the decode-size GEMMs, from CUDA graphs")
     ap.add_argument("--tune", action="store_true", help="time the configurations, then benchmark the fastest")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: dense, experts")
     ap.add_argument("--ptxas", action="store_true", help="no GPU: compile the configurations for sm_90, report")
@@ -399,6 +488,10 @@ def main():
     torch.manual_seed(0)
     head = f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; median of {args.reps} after {args.warmup}"
     lines = [head]
+    if args.decode_sweep:
+        lines += decode_sweep(args)[0]
+        report("\n".join(lines), args.out)
+        return
     if args.sweep or args.tune:
         swept, best = sweep(args)
         lines += swept

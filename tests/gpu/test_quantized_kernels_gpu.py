@@ -87,7 +87,12 @@ FP8_MMA, BF16_MMA, SWAP_MMA = (128, 128, 2, 8, 3, 1, 0), (128, 128, 2, 8, 3, 1, 
         (256, 256, 512, BF16_MMA),  # tiles inside N and K: the unmasked weight loads
         (256, 256, 512, FP8_MMA),
         (1, 512, 5120, None),  # decode, released wkv shape, split K by default
+        (1, 512, 5120, (0, 32, 8, 4, 2, 0, 3)),  # FMAs (MMA 3), one row, split K
+        (3, 200, 320, (0, 32, 2, 4, 2, 3, 3)),  # FMAs: ragged N, 3 rows in a tile of 4, split K
+        (8, 96, 200, (8, 32, 2, 4, 2, 1, 3)),  # FMAs: ragged K (partial 32-group)
+        (32, 256, 512, (8, 64, 4, 4, 2, 0, 3)),  # FMAs: several row tiles, unmasked weight loads
         (512, 5120, 8192, None),  # released wo_b shape
+        (2048, 640, 320, None),  # prefill: the weight decoded to bf16, cuBLAS (DECODED_GEMM_ROWS)
         (512, 5120, 8192, FP8_MMA),
         (512, 5120, 8192, SWAP_MMA),
     ],
@@ -114,6 +119,46 @@ def test_fp8_linear_against_fp64_on_the_same_fp8_operands(m, n, k, config):
     assert rel_err(out.view(m, n), exact) < quant_err + BF16_ROUNDING
 
 
+@pytest.mark.parametrize("n,groups,d,r,config", [
+    (1, 8, 512, 128, None),  # decode
+    (1, 8, 512, 128, (0, 32, 2, 4, 2, 1, 3)),  # FMAs
+    (5, 8, 512, 128, None),
+    (300, 4, 320, 96, None),  # prefill-like, ragged K
+    (300, 4, 320, 96, SWAP_MMA),
+    (2, 16, 4096, 1024, None),  # released wo_a: 16 groups of 4096 -> 1024
+])
+def test_fp8_block_diagonal_linear_multiplies_bf16_activations(n, groups, d, r, config):
+    # attention's wo_a as the official code computes it (bf16 activations, weight decoded), block-diagonal
+    gen = torch.Generator(device="cuda").manual_seed(n + d)
+    o = torch.randn(n, groups, d, device="cuda", generator=gen).bfloat16()
+    wq, ws = fp8_weight(groups * r, d, gen)
+    out = kq.fp8_block_diagonal_linear(o, wq, ws, config=config)
+    w = decode_fp8_blockwise(wq, ws).double().view(groups, r, d)
+    ref = torch.einsum("ngd,grd->ngr", o.double(), w).reshape(n, groups * r)
+    err = rel_err(out, ref)
+    print(f"fp8_block_diagonal_linear n={n} {groups}x{r}x{d} {config}: bf16 out {err:.2e}")
+    assert out.dtype == torch.bfloat16 and out.shape == (n, groups * r)
+    assert err < BF16_ROUNDING  # one bf16 rounding of the output: the activations are not quantized
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kq.fp8_block_diagonal_linear(o[:, :, :d], wq[: groups * 16], ws[: groups * 16 // 32 or 1], config=config)
+
+
+def test_decode_fp8_weight_is_the_reference_decode():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    wq, ws = fp8_weight(200, 330, gen)  # ragged in both dimensions
+    ref = decode_fp8_blockwise(wq, ws, dtype=torch.bfloat16)
+    assert torch.equal(kq.decode_fp8_weight(wq, ws), ref)
+    assert torch.equal(kq.decode_fp8_weight(wq, ws.float()), ref)
+
+
+def test_decode_fp4_weights_is_the_reference_decode():
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    codes, scales = fp4_experts(3, 40, 330, gen)  # K/32 ragged
+    ref = torch.stack([decode_fp4_packed(codes[e], scales[e]) for e in range(3)]).bfloat16()
+    assert torch.equal(kq.decode_fp4_weights(codes, scales), ref)
+    assert torch.equal(kq.decode_fp4_weights(codes, scales.float()), ref)
+
+
 def test_fp8_linear_without_rows_and_with_bad_input():
     gen = torch.Generator(device="cuda").manual_seed(0)
     wq, ws = fp8_weight(64, 96, gen)
@@ -136,6 +181,8 @@ COUNTS = [0, 37, 128, 0, 5, 200, 1, 0]  # ragged, empty experts included (first 
         (128, 256, (64, 64, 2, 4, 3, 1, 0)),
         (96, 160, SWAP_MMA),
         (128, 256, SWAP_MMA),
+        (96, 160, (0, 32, 2, 4, 2, 1, 3)),  # FMAs (decode): one row per tile, ragged K
+        (128, 256, (8, 64, 4, 4, 2, 1, 3)),  # FMAs: 8-row tiles, unmasked weight loads
     ],
 )
 def test_fp4_grouped_gemm_against_fp64(n, k, config):
@@ -180,9 +227,16 @@ def reference_experts(x, counts, weights, w1, w3, w2, limit):
         (COUNTS, 256, 160, 1.0, ((128, 64, 2, 4, 3, 1, 2), SWAP_MMA)),
         ([150, 0, 300, 77], 5120, 2304, 10.0, ((128, 128, 2, 8, 3, 1, 2), SWAP_MMA)),
         ([150, 0, 300, 77], 5120, 2304, 10.0, (None, None)),  # released shapes
+        ([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, (None, None)),  # decode: one row per expert
+        ([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, ((0, 32, 8, 4, 2, 1, 3), (0, 32, 8, 4, 2, 1, 3))),  # FMAs
+        (COUNTS, 256, 160, 1.0, ((8, 32, 2, 4, 2, 1, 3), (4, 64, 2, 4, 2, 1, 3))),
+        # prefill (>= DECODED_EXPERT_ROWS rows per expert): experts decoded to bf16 in chunks, torch._grouped_mm
+        ([600, 0, 900, 300, 0, 500, 1, 300], 256, 160, 1.0, (None, None)),
     ],
 )
-def test_fp4_grouped_experts(counts, dim, inter, limit, configs):
+def test_fp4_grouped_experts(counts, dim, inter, limit, configs, monkeypatch):
+    if sum(counts) // len(counts) >= kq.DECODED_EXPERT_ROWS:
+        monkeypatch.setattr(kq, "EXPERT_SCRATCH_BYTES", 3 * 2 * 3 * dim * inter)  # chunks of 3 experts
     gen = torch.Generator(device="cuda").manual_seed(dim)
     E = len(counts)
     w1, w3, w2 = fp4_experts(E, inter, dim, gen), fp4_experts(E, inter, dim, gen), fp4_experts(E, dim, inter, gen)
