@@ -485,7 +485,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         return x.new_empty(*x.shape[:-1], n, dtype=out_dtype)
     if config is None and rows.shape[0] >= DECODED_GEMM_ROWS:
         a, _ = _act_quant_t(rows, qdq=True)
-        w = decode_fp8_weight(weight, scale)
+        w = _decode_fp8(weight, b_scale, e8m0)
         out = torch.matmul(a, w.t()) if out_dtype == torch.bfloat16 else torch.matmul(a.float(), w.float().t())
         return out.to(out_dtype).view(*x.shape[:-1], n)
     config = _config("dense", rows.shape[0], config)
@@ -498,7 +498,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
 @torch.compiler.disable
 def decode_fp8_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """FP8 weight [N, K] with 32x32 block scales [ceil(N/32), ceil(K/32)] (UE8M0 or F32) -> bf16 [N, K] on the GPU."""
-    b_scale, e8m0 = _scale_arg(scale, "decode_fp8_weight scale")
+    return _decode_fp8(weight, *_scale_arg(scale, "decode_fp8_weight scale"))
+
+
+def _decode_fp8(weight: torch.Tensor, b_scale: torch.Tensor, e8m0: bool) -> torch.Tensor:
+    # decode_fp8_weight on scales already through _scale_arg
     n, k = weight.shape
     out = torch.empty(n, k, dtype=torch.bfloat16, device=weight.device)
     if n and k:

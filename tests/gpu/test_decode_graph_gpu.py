@@ -66,7 +66,6 @@ def test_graph_decode_equals_eager_decode(model, lengths):
     assert cache.graph.graph is not None  # captured: the steps after the first were replays
     assert torch.equal(graph.sequences, eager.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(graph.logits, eager.logits))
-    print(f"graph vs eager over {STEPS} steps, batch {len(lengths)}: largest logit difference {diff}")
     gate("logits_maxabs_graph_vs_eager", diff, 1e-4, inclusive=True)
     model.decode_graph = "cuda_graph"
 
@@ -147,8 +146,7 @@ def test_compiled_decode_graph_runs_within_the_bf16_gates(model):
     # the first step's logits (same prefix): Inductor's kernels round differently from the eager ones
     metrics = logits_metrics(eager.logits[0].float(), compiled.logits[0].float())
     gate("mean_kl", metrics["mean_kl"], 1e-3, inclusive=True)
-    if "max_kl" in metrics:
-        report("max_kl", metrics["max_kl"])
+    report("max_kl", metrics["max_kl"])
     model.decode_graph = "cuda_graph"
 
 
@@ -188,8 +186,7 @@ def test_triton_decode_indexer_decodes_as_the_eager_indexer(v4_tokenizer, monkey
     assert clear.float().mean() > 0.5 and torch.equal(eager.argmax(-1)[clear], triton.argmax(-1)[clear])
     metrics = logits_metrics(eager.flatten(0, 1), triton.flatten(0, 1))
     gate("mean_kl", metrics["mean_kl"], 1e-4, inclusive=True)
-    if "max_kl" in metrics:
-        report("max_kl", metrics["max_kl"])
+    report("max_kl", metrics["max_kl"])
 
 
 @torch.no_grad()

@@ -62,7 +62,6 @@ def test_grouped_experts_match_the_loop(counts):
     pairs.update({name: tuple(m.get_parameter(name).grad[used] for m in (grouped, loop, exact))
                   for name in ("w1", "w3", "w2")})
     errs = {name: (rel_err(g, ref), rel_err(l, ref)) for name, (g, l, ref) in pairs.items()}
-    print("rel. error vs fp64, grouped / loop: " + ", ".join(f"{k} {a:.2e}/{b:.2e}" for k, (a, b) in errs.items()))
     for name, (grouped_err, loop_err) in errs.items():
         report(f"{name}_loop_vs_fp64", loop_err)
         gate(f"{name}_vs_fp64", grouped_err, 2 * loop_err, inclusive=True)  # limit: 2x the loop's error

@@ -100,7 +100,6 @@ def test_hybridep_matches_all_to_all_and_local(group):
             y_ref, dx_ref, grads_ref = results[ref]
             errs = {"out": rel_err(y, y_ref), "x": rel_err(dx, dx_ref)}
             errs.update({name: rel_err(g, grads_ref[name]) for name, g in grads.items()})
-            print(f"n={n} hybridep vs {ref}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
             gate(f"n{n}_vs_{ref}.out", errs.pop("out"), 5e-3)
             for k, e in errs.items():  # dx and every parameter's gradient
                 gate(f"n{n}_vs_{ref}.{k}", e, 1e-2)

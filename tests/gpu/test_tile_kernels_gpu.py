@@ -43,7 +43,6 @@ def compare(fn_ref, fn_new, inputs, tolerances, label):
     errors = [rel_err(ob, oa) for oa, ob in zip(out_a, out_b)] + [rel_err(tb.grad, ta.grad) for ta, tb in zip(a, b)]
     kinds = [o.dtype for o in out_a] + [t.dtype for t in a]
     names = [f"{label}.out{i}" for i in range(len(out_a))] + [f"{label}.grad{i}" for i in range(len(a))]
-    print(" ".join(f"{e:.1e}" for e in errors))
     for name, err, dtype in zip(names, errors, kinds):
         gate(f"{name}_{str(dtype).removeprefix('torch.')}", err, tolerances[dtype])
     assert all(tb.grad is not None and tb.grad.dtype == tb.dtype for tb in b)
