@@ -306,6 +306,113 @@ if triton is not None:
 
 
     @triton.jit
+    def _gemv_weight(b_base, bs_base, offs_n, n_live, kb, kb_live, K, stride_bn, stride_bsn, B_FP4: tl.constexpr,
+                     BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr, EVEN: tl.constexpr):
+        # the weight tile of SUB 32-blocks kb in fp32: FP8 -> [BN, SUB, 32]; FP4 -> the even and odd inputs'
+        # values [BN, SUB, 16] each (low / high nibbles, never interleaved), and the block scales [BN, SUB]
+        if B_FP4:
+            k16 = tl.arange(0, 16)
+            ptrs = b_base + offs_n[:, None, None] * stride_bn + kb[None, :, None] * 16 + k16[None, None, :]
+            if EVEN:
+                packed = tl.load(ptrs).to(tl.int32)
+            else:
+                live = (n_live[:, None, None] & kb_live[None, :, None]
+                        & (kb[None, :, None] * 32 + 2 * k16[None, None, :] < K))
+                packed = tl.load(ptrs, mask=live, other=0).to(tl.int32)
+            lo = _e2m1_to_f32_scaled(packed) * 8.507059173023462e37  # 2^126
+            hi = _e2m1_to_f32_scaled(packed >> 4) * 8.507059173023462e37
+        else:
+            k32 = tl.arange(0, 32)
+            ptrs = b_base + offs_n[:, None, None] * stride_bn + kb[None, :, None] * 32 + k32[None, None, :]
+            if EVEN:
+                lo = tl.load(ptrs).to(tl.float32)
+            else:
+                live = n_live[:, None, None] & kb_live[None, :, None] & (kb[None, :, None] * 32 + k32[None, None, :] < K)
+                lo = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+            hi = lo  # unused
+        s = tl.load(bs_base + (offs_n[:, None] // BS_ROWS) * stride_bsn + kb[None, :],
+                    mask=n_live[:, None] & kb_live[None, :], other=0)
+        if BS_E8M0:
+            s = _e8m0_to_f32(s)
+        return lo, hi, s
+
+    @triton.jit
+    def _gemv_row(a_row, lo, hi, s, kb, kb_live, K, B_FP4: tl.constexpr):
+        # one activation row (bf16 values from a_row) times the decoded tile -> [BN] fp32: each 32-block's products
+        # summed, scaled once by its power of two (exact), then summed over the blocks
+        if B_FP4:
+            k16 = tl.arange(0, 16)
+            ptrs = a_row + kb[:, None] * 32 + 2 * k16[None, :]
+            live = kb_live[:, None] & (kb[:, None] * 32 + 2 * k16[None, :] < K)
+            a_even = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+            a_odd = tl.load(ptrs + 1, mask=live, other=0.0).to(tl.float32)
+            sums = tl.sum(lo * a_even[None, :, :] + hi * a_odd[None, :, :], axis=2)
+        else:
+            k32 = tl.arange(0, 32)
+            live = kb_live[:, None] & (kb[:, None] * 32 + k32[None, :] < K)
+            a = tl.load(a_row + kb[:, None] * 32 + k32[None, :], mask=live, other=0.0).to(tl.float32)
+            sums = tl.sum(lo * a[None, :, :], axis=2)
+        return tl.sum(sums * s, axis=1)
+
+    @triton.jit
+    def _gemv_kernel(a_ptr, b_ptr, bs_ptr, b2_ptr, bs2_ptr, c_ptr, w_ptr, tile_start_ptr, row_start_ptr, M, N, K,
+                     n_groups, stride_bg, stride_bn, stride_bsg, stride_bsn, limit, B_FP4: tl.constexpr,
+                     BS_E8M0: tl.constexpr, BS_ROWS: tl.constexpr, GROUPED: tl.constexpr, SWIGLU: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr,
+                     EVEN: tl.constexpr):
+        """MMA 4: ``_scaled_gemm_kernel``'s result for a few rows per weight (decode) without the tensor cores.
+        Each step reads a [BLOCK_N, SUB·32] weight tile in its stored bytes (FP8, or FP4 as [BLOCK_N, SUB, 16]
+        bytes whose low and high nibbles meet the even and odd activations: no interleave), multiplies it by each of
+        the tile's ROWS activation rows (the quantized values in bf16) with fp32 FMAs, sums each 32-block and
+        scales it once.  Plain 2-D/3-D reductions over K: no tile is broadcast across rows, so no layout round trip
+        through shared memory; wide steps keep enough weight bytes in flight for a step bound by them."""
+        g, m0, m_end, n0 = _tile(tl.program_id(0), M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED,
+                                 ROWS, BLOCK_N, 1)
+        if m0 < m_end:
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_live = offs_n < N
+            rows = tl.arange(0, ROWS)
+            b_base = b_ptr + g.to(tl.int64) * stride_bg
+            bs_base = bs_ptr + g.to(tl.int64) * stride_bsg
+            acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            if SWIGLU:
+                b2_base = b2_ptr + g.to(tl.int64) * stride_bg
+                bs2_base = bs2_ptr + g.to(tl.int64) * stride_bsg
+                acc2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            n_blocks = (K + 31) // 32
+            per_split = tl.cdiv(tl.cdiv(n_blocks, SPLIT_K), SUB) * SUB
+            kb_start = tl.program_id(1) * per_split
+            kb_end = tl.minimum(kb_start + per_split, n_blocks)
+            for kb0 in range(kb_start, kb_end, SUB):
+                kb = kb0 + tl.arange(0, SUB)
+                kb_live = kb < kb_end
+                lo, hi, s = _gemv_weight(b_base, bs_base, offs_n, n_live, kb, kb_live, K, stride_bn, stride_bsn,
+                                         B_FP4, BS_E8M0, BS_ROWS, EVEN)
+                if SWIGLU:
+                    lo2, hi2, s2 = _gemv_weight(b2_base, bs2_base, offs_n, n_live, kb, kb_live, K, stride_bn,
+                                                stride_bsn, B_FP4, BS_E8M0, BS_ROWS, EVEN)
+                for j in tl.static_range(ROWS):  # rows past the tile's end read zeros
+                    live = kb_live & (m0 + j < m_end)
+                    a_row = a_ptr + (m0 + j).to(tl.int64) * K
+                    acc += tl.where(rows[:, None] == j, _gemv_row(a_row, lo, hi, s, kb, live, K, B_FP4)[None, :], 0.0)
+                    if SWIGLU:
+                        part = _gemv_row(a_row, lo2, hi2, s2, kb, live, K, B_FP4)
+                        acc2 += tl.where(rows[:, None] == j, part[None, :], 0.0)
+            offs_m = m0 + rows
+            m_live = offs_m < m_end
+            if SWIGLU:
+                gate = acc.to(tl.bfloat16).to(tl.float32)
+                up = acc2.to(tl.bfloat16).to(tl.float32)
+                if limit > 0:
+                    up = tl.clamp(up, -limit, limit)
+                    gate = tl.minimum(gate, limit)
+                w = tl.load(w_ptr + offs_m, mask=m_live, other=0.0)
+                acc = gate * tl.sigmoid(gate) * up * w[:, None]
+            c_ptr += tl.program_id(1).to(tl.int64) * M * N
+            tl.store(c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=m_live[:, None] & n_live[None, :])
+
+    @triton.jit
     def _fp8_decode_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_sn, BS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
         # FP8 weight [N, K] with 32x32 block scales -> its values in bf16 (exact: a code times a power of two)
@@ -445,15 +552,25 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
         torch.cumsum(counts, 0, out=row_start[1:])
         tile_start = torch.zeros_like(row_start)
         torch.cumsum(torch.div(counts + (block_m - 1), block_m, rounding_mode="floor"), 0, out=tile_start[1:])
-        tiles_m = triton.cdiv(m, block_m) + n_groups  # an upper bound on the row tiles: no host sync for the count
+        # an upper bound on the row tiles without a host sync: each group's tiles plus one partial tile per group,
+        # and never more tiles than rows (a tile holds at least one)
+        tiles_m = min(triton.cdiv(m, block_m) + n_groups, m)
     tiles = tiles_m * triton.cdiv(n, block_n)
     if split == 0:  # enough K slices for about two programs per SM (four without MMA), each >= 4 (2) steps long
-        per_sm, steps = (4, 2) if mma == 3 else (2, 4)
+        per_sm, steps = (4, 2) if mma >= 3 else (2, 4)
         split = max(1, min(per_sm * _sm_count(a.device) // tiles, triton.cdiv(k, 32 * sub * steps)))
     if split > 1 and (swiglu is not None or counts is not None):
         raise ValueError("SPLIT_K > 1 serves the dense GEMM only")
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
     b2, bs2, w, limit = swiglu if swiglu is not None else (b, b_scale, out, 0.0)
+    if mma == 4:
+        _gemv_kernel[(tiles, split)](
+            a, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg, stride_bn,
+            stride_bsg, stride_bsn, float(limit), B_FP4=b_fp4, BS_E8M0=bs_e8m0, BS_ROWS=bs_rows,
+            GROUPED=counts is not None, SWIGLU=swiglu is not None, ROWS=block_m, BLOCK_N=block_n, SUB=sub,
+            SPLIT_K=split, EVEN=k % (32 * sub) == 0 and n % block_n == 0, num_warps=warps, num_stages=stages,
+        )
+        return out[0] if split == 1 else out.sum(0).to(out_dtype)
     _scaled_gemm_kernel[(tiles, split)](
         a, a_scale_t, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg, stride_bn,
         stride_bsg, stride_bsn, float(limit), B_FP4=b_fp4, BS_E8M0=bs_e8m0, BS_ROWS=bs_rows,
