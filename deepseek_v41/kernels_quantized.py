@@ -446,8 +446,8 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k[None, :], (values * s).to(tl.bfloat16), mask=out_live)
 
 
-# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("decode" up to 64,
-# "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA 0: the FP8 MMA with a
+# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("gemv" up to
+# GEMV_ROWS, "decode" up to 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA 0: the FP8 MMA with a
 # promotion per 32-block, 1: the bf16 MMA on decoded tiles, 2: the same with the decoded weight tile as the left
 # operand, 3: no MMA (fp32 FMAs; BLOCK_M 0 = the rows per weight rounded up to a power of two, at most GEMV_ROWS).
 # Prefill and medium: the fastest of quantized_gemm.py --sweep on an H100 (MMA 2 at 256x128 ahead of MMA 1 by
@@ -456,6 +456,9 @@ if triton is not None:
 # took 3.4 ms per one-token step against 2.1 ms with these, and 26.1 ms against 2.1 ms at 32 tokens (H100,
 # results/kept_proxy_h100.txt); quantized_gemm.py --decode-sweep times its candidates.
 CONFIGS = {
+    "dense_gemv": (64, 64, 2, 4, 6, 0, 1),
+    "grouped_gemv": (64, 64, 2, 4, 6, 1, 1),
+    "swiglu_gemv": (64, 32, 2, 4, 6, 1, 1),
     "dense_decode": (64, 64, 2, 4, 6, 0, 1),
     "dense_medium": (128, 128, 2, 8, 3, 1, 2),
     "dense_prefill": (256, 128, 2, 8, 3, 1, 2),
@@ -480,7 +483,8 @@ EXPERT_SCRATCH_BYTES = 2 << 30
 
 def _config(kind: str, rows: int, config):
     if config is None:
-        config = CONFIGS[f"{kind}_{'decode' if rows <= 64 else 'medium' if rows <= 512 else 'prefill'}"]
+        tier = "gemv" if rows <= GEMV_ROWS else "decode" if rows <= 64 else "medium" if rows <= 512 else "prefill"
+        config = CONFIGS[f"{kind}_{tier}"]
     if config[0] == 0:  # BLOCK_M from the rows: 1, 2, 4 or 8
         config = (min(triton.next_power_of_2(max(rows, 1)), GEMV_ROWS), *config[1:])
     return config

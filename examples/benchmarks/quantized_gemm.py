@@ -315,14 +315,19 @@ WO_A = (16, 1024, 4096)  # released wo_a: 16 groups of 4096 inputs -> 1024 outpu
 
 
 def decode_sweep(args):
-    """Each decode-size GEMM per candidate configuration, in replayed CUDA graphs -> (lines, fastest per kind)."""
+    """Each decode-size GEMM per candidate configuration, in replayed CUDA graphs -> (lines, fastest per kind and
+    tier: "gemv" up to kq.GEMV_ROWS rows per weight, "decode" above, as ``kq.CONFIGS`` keys them)."""
     lines = ["# decode sweep: us per call replayed from a CUDA graph (no launch cost); GB/s of weight bytes read"]
-    total = {}  # kind -> config -> summed us over the kind's cases
+    total = {}  # "kind tier" -> config -> summed us over its cases
 
-    def row(kind, label, config, us, wbytes):
+    def tier(rows_per_weight):
+        return "gemv" if rows_per_weight <= kq.GEMV_ROWS else "decode"
+
+    def row(kind, label, config, us, wbytes, rows_per_weight=1):
         if config is not None:
-            total.setdefault(kind, {}).setdefault(config, 0.0)
-            total[kind][config] += us
+            key = f"{kind} {tier(rows_per_weight)}"
+            total.setdefault(key, {}).setdefault(config, 0.0)
+            total[key][config] += us
         lines.append(f"{kind:8s} {label:34s} {config!s:28s} {us:9.1f} us {wbytes / us / 1e3:8.0f} GB/s")
         print(lines[-1], flush=True)
 
@@ -336,7 +341,7 @@ def decode_sweep(args):
             for config in DECODE_SWEEP["dense"]:
                 fn = partial(kq.fp8_linear, x, wq, ws, config=config)
                 fn()
-                row("dense", label, config, graph_time_us(fn), n * k)
+                row("dense", label, config, graph_time_us(fn), n * k, m)
         groups, r, d = WO_A
         wq, ws = encode_fp8_blockwise(torch.randn(groups * r, d, device="cuda") * d**-0.5)
         wb = decode_fp8_blockwise(wq, ws, dtype=torch.bfloat16).view(groups, r, d)
@@ -347,7 +352,7 @@ def decode_sweep(args):
         for config in DECODE_SWEEP["grouped"]:
             fn = partial(kq.fp8_block_diagonal_linear, o, wq, ws, config=config)
             fn()
-            row("wo_a", label, config, graph_time_us(fn), groups * r * d)
+            row("wo_a", label, config, graph_time_us(fn), groups * r * d, m)
     E, D, I = args.experts, args.hidden, args.inter
     model = RoutedExperts(SimpleNamespace(n_routed_experts=E, hidden_size=D, moe_intermediate_size=I,
                                           swiglu_limit=10.0), {"experts": "torch_mm"}).cuda()
@@ -377,7 +382,7 @@ def decode_sweep(args):
             fn = partial(kq.fp4_grouped_experts, x, counts, weights, *packed["w1"], *packed["w3"], *packed["w2"], 10.0,
                          configs=(up, down))
             fn()
-            row("experts", label, (up, down), graph_time_us(fn), wbytes * (0.5 + 1 / 32))
+            row("experts", label, (up, down), graph_time_us(fn), wbytes * (0.5 + 1 / 32), rows // E)
     best = {kind: min(times, key=times.get) for kind, times in total.items()}
     lines.append(f"# fastest (summed over the cases): {best}")
     return lines, best
