@@ -340,17 +340,13 @@ if triton is not None:
     def _gemv_row(a_row, lo, hi, s, kb, kb_live, K, B_FP4: tl.constexpr):
         # one activation row (bf16 values from a_row) times the decoded tile -> [BN] fp32: each 32-block's products
         # summed, scaled once by its power of two (exact), then summed over the blocks
+        k32 = tl.arange(0, 32)
+        live = kb_live[:, None] & (kb[:, None] * 32 + k32[None, :] < K)
+        a = tl.load(a_row + kb[:, None] * 32 + k32[None, :], mask=live, other=0.0).to(tl.float32)  # [SUB, 32]
         if B_FP4:
-            k16 = tl.arange(0, 16)
-            ptrs = a_row + kb[:, None] * 32 + 2 * k16[None, :]
-            live = kb_live[:, None] & (kb[:, None] * 32 + 2 * k16[None, :] < K)
-            a_even = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
-            a_odd = tl.load(ptrs + 1, mask=live, other=0.0).to(tl.float32)
+            a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], 16, 2)))
             sums = tl.sum(lo * a_even[None, :, :] + hi * a_odd[None, :, :], axis=2)
         else:
-            k32 = tl.arange(0, 32)
-            live = kb_live[:, None] & (kb[:, None] * 32 + k32[None, :] < K)
-            a = tl.load(a_row + kb[:, None] * 32 + k32[None, :], mask=live, other=0.0).to(tl.float32)
             sums = tl.sum(lo * a[None, :, :], axis=2)
         return tl.sum(sums * s, axis=1)
 
