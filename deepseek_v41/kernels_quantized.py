@@ -49,6 +49,10 @@ How the 32-wide K blocks are honoured (``MMA`` in a kernel configuration picks t
   quantization included: Triton's path for a register-decoded operand, not the bytes, bounds them there.
 * No MMA (MMA 3, up to ``GEMV_ROWS`` rows per tile): the decoded weight tile times the rows with fp32 FMAs on the
   CUDA cores.  An option for decode, not a default: slower than the bf16 MMA configurations as measured so far.
+* GEMV (MMA 4, ``_gemv_kernel``, up to ``GEMV_ROWS`` rows per tile): fp32 FMAs as well, in a kernel shaped for a
+  step bound by weight bytes: wide [BLOCK_N, SUB·32] weight steps in their stored bytes, FP4 low and high nibbles
+  multiplied by the even and odd activations (no interleave of the decoded values), each 32-block summed and then
+  scaled once, the row tile's rows reusing one decoded weight tile.
 
 Both read the weights in their stored bytes (half or a quarter of bf16), which is what decode is bound by.
 """
@@ -443,9 +447,10 @@ if triton is not None:
 
 
 # (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("gemv" up to
-# GEMV_ROWS, "decode" up to 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.  MMA 0: the FP8 MMA with a
-# promotion per 32-block, 1: the bf16 MMA on decoded tiles, 2: the same with the decoded weight tile as the left
-# operand, 3: no MMA (fp32 FMAs; BLOCK_M 0 = the rows per weight rounded up to a power of two, at most GEMV_ROWS).
+# GEMV_ROWS, "decode" up to 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.
+# MMA 0: the FP8 MMA with a promotion per 32-block, 1: the bf16 MMA on decoded tiles, 2: the same with the decoded
+# weight tile as the left operand, 3: no MMA (fp32 FMAs), 4: the GEMV kernel (fp32 FMAs); for 3 and 4, BLOCK_M 0 =
+# the rows per weight rounded up to a power of two, at most GEMV_ROWS.
 # Prefill and medium: the fastest of quantized_gemm.py --sweep on an H100 (MMA 2 at 256x128 ahead of MMA 1 by
 # 10-15 %, of the FP8 MMA by 15-40 %; examples/benchmarks/results/quantized_gemm_h100.txt); decode: the fastest at
 # one row.  MMA 3 is not a default: with (0, 32, 8, 4, 2, *, 3) for dense, grouped and SwiGLU the kept proxy's GEMMs
@@ -465,7 +470,7 @@ CONFIGS = {
     "swiglu_medium": (128, 64, 2, 4, 3, 1, 2),
     "swiglu_prefill": (128, 64, 2, 4, 3, 1, 2),
 }
-GEMV_ROWS = 8  # the largest BLOCK_M an MMA 3 configuration takes
+GEMV_ROWS = 8  # the largest BLOCK_M an MMA 3 or 4 configuration takes
 # From this many rows on, fp8_linear decodes the weight to bf16 (a transient [N, K], freed after the call) and
 # multiplies the quantized activations' bf16 values with cuBLAS: the same exact products, summed in fp32, at the bf16
 # GEMM's speed, which the register-decoding Triton kernels reach only 0.3-0.5x of (quantized_gemm.py).
