@@ -91,10 +91,10 @@ FP8_MMA, BF16_MMA, SWAP_MMA = (128, 128, 2, 8, 3, 1, 0), (128, 128, 2, 8, 3, 1, 
         (3, 200, 320, (0, 32, 2, 4, 2, 3, 3)),  # FMAs: ragged N, 3 rows in a tile of 4, split K
         (8, 96, 200, (8, 32, 2, 4, 2, 1, 3)),  # FMAs: ragged K (partial 32-group)
         (32, 256, 512, (8, 64, 4, 4, 2, 0, 3)),  # FMAs: several row tiles, unmasked weight loads
-        (1, 512, 5120, (0, 32, 8, 4, 2, 0, 4)),  # GEMV (MMA 4): one row, split K, unmasked
-        (3, 200, 320, (0, 32, 2, 4, 2, 3, 4)),  # GEMV: ragged N, 3 rows in a tile of 4, split K
-        (8, 96, 200, (8, 32, 2, 4, 2, 1, 4)),  # GEMV: ragged K (partial 32-group)
-        (32, 256, 512, (8, 64, 4, 4, 2, 0, 4)),  # GEMV: several row tiles
+        pytest.param(1, 512, 5120, (0, 32, 8, 4, 2, 0, 4), id="gemv"),  # GEMV (MMA 4): one row, split K, unmasked
+        pytest.param(3, 200, 320, (0, 32, 2, 4, 2, 3, 4), id="gemv"),  # GEMV: ragged N, 3 rows in a tile of 4, split K
+        pytest.param(8, 96, 200, (8, 32, 2, 4, 2, 1, 4), id="gemv"),  # GEMV: ragged K (partial 32-group)
+        pytest.param(32, 256, 512, (8, 64, 4, 4, 2, 0, 4), id="gemv"),  # GEMV: several row tiles
         (512, 5120, 8192, None),  # released wo_b shape
         (2048, 640, 320, None),  # prefill: the weight decoded to bf16, cuBLAS (DECODED_GEMM_ROWS)
         (512, 5120, 8192, FP8_MMA),
@@ -126,8 +126,8 @@ def test_fp8_linear_against_fp64_on_the_same_fp8_operands(m, n, k, config):
 @pytest.mark.parametrize("n,groups,d,r,config", [
     (1, 8, 512, 128, None),  # decode
     (1, 8, 512, 128, (0, 32, 2, 4, 2, 1, 3)),  # FMAs
-    (3, 8, 512, 128, (0, 32, 4, 4, 2, 1, 4)),  # GEMV
-    (2, 16, 4096, 1024, (0, 32, 8, 4, 2, 1, 4)),  # GEMV, released wo_a
+    pytest.param(3, 8, 512, 128, (0, 32, 4, 4, 2, 1, 4), id="gemv"),  # GEMV
+    pytest.param(2, 16, 4096, 1024, (0, 32, 8, 4, 2, 1, 4), id="gemv"),  # GEMV, released wo_a
     (5, 8, 512, 128, None),
     (300, 4, 320, 96, None),  # prefill-like, ragged K
     (300, 4, 320, 96, SWAP_MMA),
@@ -189,9 +189,9 @@ COUNTS = [0, 37, 128, 0, 5, 200, 1, 0]  # ragged, empty experts included (first 
         (128, 256, SWAP_MMA),
         (96, 160, (0, 32, 2, 4, 2, 1, 3)),  # FMAs (decode): one row per tile, ragged K
         (128, 256, (8, 64, 4, 4, 2, 1, 3)),  # FMAs: 8-row tiles, unmasked weight loads
-        (96, 160, (0, 32, 2, 4, 2, 1, 4)),  # GEMV (decode): one row per tile, ragged K and N
-        (128, 256, (8, 64, 4, 4, 2, 1, 4)),  # GEMV: 8-row tiles, unmasked weight loads
-        (128, 256, (2, 16, 8, 4, 2, 1, 4)),  # GEMV: 2-row tiles, 8 blocks per step
+        pytest.param(96, 160, (0, 32, 2, 4, 2, 1, 4), id="gemv"),  # GEMV (decode): one row per tile, ragged K and N
+        pytest.param(128, 256, (8, 64, 4, 4, 2, 1, 4), id="gemv"),  # GEMV: 8-row tiles, unmasked weight loads
+        pytest.param(128, 256, (2, 16, 8, 4, 2, 1, 4), id="gemv"),  # GEMV: 2-row tiles, 8 blocks per step
     ],
 )
 def test_fp4_grouped_gemm_against_fp64(n, k, config):
@@ -239,7 +239,7 @@ def reference_experts(x, counts, weights, w1, w3, w2, limit):
         ([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, (None, None)),  # decode: one row per expert
         ([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, ((0, 32, 8, 4, 2, 1, 3), (0, 32, 8, 4, 2, 1, 3))),  # FMAs
         (COUNTS, 256, 160, 1.0, ((8, 32, 2, 4, 2, 1, 3), (4, 64, 2, 4, 2, 1, 3))),
-        ([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, ((0, 16, 8, 4, 2, 1, 4), (0, 32, 8, 4, 2, 1, 4))),  # GEMV
+        pytest.param([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, ((0, 16, 8, 4, 2, 1, 4), (0, 32, 8, 4, 2, 1, 4)), id="gemv"),  # GEMV
         (COUNTS, 256, 160, 1.0, ((8, 32, 2, 4, 2, 1, 4), (4, 64, 2, 4, 2, 1, 4))),
         # prefill (>= DECODED_EXPERT_ROWS rows per expert): experts decoded to bf16 in chunks, torch._grouped_mm
         ([600, 0, 900, 300, 0, 500, 1, 300], 256, 160, 1.0, (None, None)),
