@@ -432,6 +432,56 @@ def ptxas_report():
             lines.append(f"{kind:16s} {(bm, bn, sub, warps, stages, split, mma)}: registers {regs[1]}, stack "
                          f"{regs[2]}, shared {kernel.metadata.shared // 1024} KiB, loop {len(loop)} ({mix})")
             print(lines[-1], flush=True)
+    lines += gemv_ptxas_report(cuobjdump, compile, ASTSource, GPUTarget)
+    return lines
+
+
+def gemv_ptxas_report(cuobjdump, compile, ASTSource, GPUTarget):
+    """The GEMV kernel (MMA 4) of the decode sweep's candidates at one and eight rows, compiled for sm_90: registers,
+    spills, shared memory and its K loop per step, with the weight bytes each thread loads per step."""
+    import re
+    import subprocess
+    import tempfile
+    from collections import Counter
+
+    lines = [("# GEMV kernel (MMA 4), sm_90: (ROWS, BLOCK_N, SUB, warps, stages); loop = instructions per thread per "
+              "step of BLOCK_N x SUB*32 weights")]
+    for kind in ("dense", "grouped", "swiglu"):
+        fp4, swiglu = kind != "dense", kind == "swiglu"
+        for _, bn, sub, warps, stages, _, mma in DECODE_SWEEP[kind]:
+            if mma != 4:
+                continue
+            for rows in (1, 8):
+                weight = "*u8" if fp4 else "*fp8e4nv"
+                sig = {"a_ptr": "*bf16", "b_ptr": weight, "bs_ptr": "*u8", "b2_ptr": weight, "bs2_ptr": "*u8",
+                       "c_ptr": "*bf16", "w_ptr": "*fp32", "tile_start_ptr": "*i32", "row_start_ptr": "*i32", "M": "i32",
+                       "N": "i32", "K": "i32", "n_groups": "i32", "stride_bg": "i32", "stride_bn": "i32",
+                       "stride_bsg": "i32", "stride_bsn": "i32", "limit": "fp32"}
+                aligned = [i for i, (name, ty) in enumerate(sig.items())
+                           if ty.startswith("*") or name in ("K", "stride_bg", "stride_bn", "stride_bsg")]
+                constexprs = {"B_FP4": fp4, "BS_E8M0": True, "BS_ROWS": 1 if fp4 else 32, "GROUPED": fp4,
+                              "SWIGLU": swiglu, "ROWS": rows, "BLOCK_N": bn, "SUB": sub, "SPLIT_K": 1 if fp4 else 4,
+                              "EVEN": True}
+                sig.update(dict.fromkeys(constexprs, "constexpr"))
+                src = ASTSource(fn=kq._gemv_kernel, signature=sig, constexprs=constexprs,
+                                attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+                kernel = compile(src, target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": warps, "num_stages": stages})
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(kernel.asm["cubin"])
+                    f.flush()
+                    usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], check=True,
+                                           capture_output=True, text=True)
+                    sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True,
+                                          text=True).stdout
+                regs = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+                loop = main_loop(sass, mma=False)
+                mix = ", ".join(f"{op} {n}" for op, n in Counter(op.split(".")[0] for op in loop).most_common(4))
+                step_bytes = bn * sub * 32 * (2 if swiglu else 1) // (2 if fp4 else 1) // (32 * warps)
+                lines.append(f"gemv {kind:8s} {(rows, bn, sub, warps, stages)!s:22s} registers {regs[1]}, stack "
+                             f"{regs[2]}, shared {kernel.metadata.shared} B, loop {len(loop)} per {step_bytes} weight "
+                             f"bytes per thread ({mix})")
+                print(lines[-1], flush=True)
     return lines
 
 
@@ -447,8 +497,9 @@ def triton_version():
     return triton.__version__
 
 
-def main_loop(sass: str) -> list[str]:
-    """Opcodes of the longest backward-branch loop that issues tensor-core MMAs (HGMMA / QGMMA) in a SASS dump."""
+def main_loop(sass: str, mma: bool = True) -> list[str]:
+    """Opcodes of the longest backward-branch loop in a SASS dump that issues tensor-core MMAs (HGMMA / QGMMA), or
+    of the longest loop at all (``mma=False``)."""
     import re
 
     ops = []
@@ -461,7 +512,7 @@ def main_loop(sass: str) -> list[str]:
         target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
         if target and int(target[1], 16) < addr:
             body = [o for a, o, _ in ops if int(target[1], 16) <= a <= addr]
-            if any(o.startswith(("HGMMA", "QGMMA")) for o in body) and len(body) > len(best):
+            if (not mma or any(o.startswith(("HGMMA", "QGMMA")) for o in body)) and len(body) > len(best):
                 best = body
     return best
 
