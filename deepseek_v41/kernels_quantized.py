@@ -183,6 +183,18 @@ if triton is not None:
         return b, s
 
     @triton.jit
+    def _swiglu_epilogue(gate, up, w_ptr, offs_m, m_live, limit):
+        # [rows, N] fp32 sums of the gate and up projections -> the experts' clamped SwiGLU times each row's routing
+        # weight, as kernels_triton.weighted_swiglu_triton: gate and up rounded to bf16 first (limit <= 0: no clamps)
+        gate = gate.to(tl.bfloat16).to(tl.float32)
+        up = up.to(tl.bfloat16).to(tl.float32)
+        if limit > 0:
+            up = tl.clamp(up, -limit, limit)
+            gate = tl.minimum(gate, limit)
+        w = tl.load(w_ptr + offs_m, mask=m_live, other=0.0)
+        return gate * tl.sigmoid(gate) * up * w[:, None]
+
+    @triton.jit
     def _tile(pid, M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         # program id -> (group, first row, rows end, first column); grouped: tiles never straddle two groups,
@@ -297,13 +309,7 @@ if triton is not None:
                 if SWIGLU:
                     acc2 = tl.trans(acc2)
             if SWIGLU:
-                gate = acc.to(tl.bfloat16).to(tl.float32)
-                up = acc2.to(tl.bfloat16).to(tl.float32)
-                if limit > 0:
-                    up = tl.clamp(up, -limit, limit)
-                    gate = tl.minimum(gate, limit)
-                w = tl.load(w_ptr + offs_m, mask=m_live, other=0.0)
-                acc = gate * tl.sigmoid(gate) * up * w[:, None]  # as kernels_triton.weighted_swiglu_triton
+                acc = _swiglu_epilogue(acc, acc2, w_ptr, offs_m, m_live, limit)
             c_ptr += tl.program_id(1).to(tl.int64) * M * N
             tl.store(c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                      mask=m_live[:, None] & n_live[None, :])
@@ -334,7 +340,7 @@ if triton is not None:
                 live = n_live[:, None, None] & kb_live[None, :, None] & (kb[None, :, None] * 32 + k32[None, None, :] < K)
                 lo = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
             hi = lo  # unused
-        s = tl.load(bs_base + (offs_n[:, None] // BS_ROWS) * stride_bsn + kb[None, :],
+        s = tl.load(bs_base + kb[None, :] + (offs_n[:, None] // BS_ROWS) * stride_bsn,
                     mask=n_live[:, None] & kb_live[None, :], other=0)
         if BS_E8M0:
             s = _e8m0_to_f32(s)
@@ -401,13 +407,7 @@ if triton is not None:
             offs_m = m0 + rows
             m_live = offs_m < m_end
             if SWIGLU:
-                gate = acc.to(tl.bfloat16).to(tl.float32)
-                up = acc2.to(tl.bfloat16).to(tl.float32)
-                if limit > 0:
-                    up = tl.clamp(up, -limit, limit)
-                    gate = tl.minimum(gate, limit)
-                w = tl.load(w_ptr + offs_m, mask=m_live, other=0.0)
-                acc = gate * tl.sigmoid(gate) * up * w[:, None]
+                acc = _swiglu_epilogue(acc, acc2, w_ptr, offs_m, m_live, limit)
             c_ptr += tl.program_id(1).to(tl.int64) * M * N
             tl.store(c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                      mask=m_live[:, None] & n_live[None, :])
