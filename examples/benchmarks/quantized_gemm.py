@@ -388,17 +388,39 @@ def decode_sweep(args):
     return lines, best
 
 
-def ptxas_report():
-    """Compile the SWEEP configurations for sm_90 without a GPU and report what ptxas made of them."""
+def compile_sm90(fn, sig, constexprs, aligned, warps, stages, mma=True):
+    """Compile a Triton kernel for sm_90 without a GPU -> (registers, spill stack bytes per thread, shared bytes,
+    the opcodes of its main loop: the MMA loop, or the longest loop with ``mma=False``)."""
     import re
     import subprocess
     import tempfile
-    from collections import Counter
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    sig = {**sig, **dict.fromkeys(constexprs, "constexpr")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    kernel = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     cuobjdump = Path(triton_path()) / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], check=True, capture_output=True,
+                               text=True)
+        sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    return int(regs[1]), int(regs[2]), kernel.metadata.shared, main_loop(sass, mma)
+
+
+def opcode_mix(loop, top):
+    from collections import Counter
+
+    return ", ".join(f"{op} {n}" for op, n in Counter(op.split(".")[0] for op in loop).most_common(top))
+
+
+def ptxas_report():
+    """Compile the SWEEP configurations for sm_90 without a GPU and report what ptxas made of them."""
     lines = [(f"# ptxas for sm_90 (Triton {triton_version()}): registers, spill stack (bytes/thread), shared memory, "
               "main-loop instructions per thread per step (mix); (BLOCK_M, BLOCK_N, SUB, warps, stages, SPLIT_K, "
               "MMA_BF16)")]
@@ -416,71 +438,41 @@ def ptxas_report():
             constexprs = {"B_FP4": fp4, "BS_E8M0": True, "BS_ROWS": 1 if fp4 else 32, "GROUPED": fp4,
                           "SWIGLU": swiglu, "BLOCK_M": bm, "BLOCK_N": bn, "SUB": sub, "SPLIT_K": max(split, 1),
                           "MMA": int(mma), "EVEN": True, "GROUP_M": 8}
-            sig.update(dict.fromkeys(constexprs, "constexpr"))
-            src = ASTSource(fn=kq._scaled_gemm_kernel, signature=sig, constexprs=constexprs,
-                            attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-            kernel = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], check=True, capture_output=True,
-                                       text=True)
-                sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True).stdout
-            regs = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
-            loop = main_loop(sass)
-            mix = ", ".join(f"{op} {n}" for op, n in Counter(op.split(".")[0] for op in loop).most_common(5))
-            lines.append(f"{kind:16s} {(bm, bn, sub, warps, stages, split, mma)}: registers {regs[1]}, stack "
-                         f"{regs[2]}, shared {kernel.metadata.shared // 1024} KiB, loop {len(loop)} ({mix})")
+            regs, stack, shared, loop = compile_sm90(kq._scaled_gemm_kernel, sig, constexprs, aligned, warps, stages)
+            lines.append(f"{kind:16s} {(bm, bn, sub, warps, stages, split, mma)}: registers {regs}, stack "
+                         f"{stack}, shared {shared // 1024} KiB, loop {len(loop)} ({opcode_mix(loop, 5)})")
             print(lines[-1], flush=True)
-    lines += gemv_ptxas_report(cuobjdump, compile, ASTSource, GPUTarget)
+    lines += gemv_ptxas_report()
     return lines
 
 
-def gemv_ptxas_report(cuobjdump, compile, ASTSource, GPUTarget):
+def gemv_ptxas_report():
     """The GEMV kernel (MMA 4) of the decode sweep's candidates at one and eight rows, compiled for sm_90: registers,
     spills, shared memory and its K loop per step, with the weight bytes each thread loads per step."""
-    import re
-    import subprocess
-    import tempfile
-    from collections import Counter
-
     lines = [("# GEMV kernel (MMA 4), sm_90: (ROWS, BLOCK_N, SUB, warps, stages); loop = instructions per thread per "
               "step of BLOCK_N x SUB*32 weights")]
     for kind in ("dense", "grouped", "swiglu"):
         fp4, swiglu = kind != "dense", kind == "swiglu"
+        weight = "*u8" if fp4 else "*fp8e4nv"
+        sig = {"a_ptr": "*bf16", "b_ptr": weight, "bs_ptr": "*u8", "b2_ptr": weight, "bs2_ptr": "*u8",
+               "c_ptr": "*bf16", "w_ptr": "*fp32", "tile_start_ptr": "*i32", "row_start_ptr": "*i32", "M": "i32",
+               "N": "i32", "K": "i32", "n_groups": "i32", "stride_bg": "i32", "stride_bn": "i32",
+               "stride_bsg": "i32", "stride_bsn": "i32", "limit": "fp32"}
+        aligned = [i for i, (name, ty) in enumerate(sig.items())
+                   if ty.startswith("*") or name in ("K", "stride_bg", "stride_bn", "stride_bsg")]
         for _, bn, sub, warps, stages, _, mma in DECODE_SWEEP[kind]:
             if mma != 4:
                 continue
             for rows in (1, 8):
-                weight = "*u8" if fp4 else "*fp8e4nv"
-                sig = {"a_ptr": "*bf16", "b_ptr": weight, "bs_ptr": "*u8", "b2_ptr": weight, "bs2_ptr": "*u8",
-                       "c_ptr": "*bf16", "w_ptr": "*fp32", "tile_start_ptr": "*i32", "row_start_ptr": "*i32", "M": "i32",
-                       "N": "i32", "K": "i32", "n_groups": "i32", "stride_bg": "i32", "stride_bn": "i32",
-                       "stride_bsg": "i32", "stride_bsn": "i32", "limit": "fp32"}
-                aligned = [i for i, (name, ty) in enumerate(sig.items())
-                           if ty.startswith("*") or name in ("K", "stride_bg", "stride_bn", "stride_bsg")]
                 constexprs = {"B_FP4": fp4, "BS_E8M0": True, "BS_ROWS": 1 if fp4 else 32, "GROUPED": fp4,
                               "SWIGLU": swiglu, "ROWS": rows, "BLOCK_N": bn, "SUB": sub, "SPLIT_K": 1 if fp4 else 4,
                               "EVEN": True}
-                sig.update(dict.fromkeys(constexprs, "constexpr"))
-                src = ASTSource(fn=kq._gemv_kernel, signature=sig, constexprs=constexprs,
-                                attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-                kernel = compile(src, target=GPUTarget("cuda", 90, 32),
-                                 options={"num_warps": warps, "num_stages": stages})
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                    f.write(kernel.asm["cubin"])
-                    f.flush()
-                    usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], check=True,
-                                           capture_output=True, text=True)
-                    sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True,
-                                          text=True).stdout
-                regs = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
-                loop = main_loop(sass, mma=False)
-                mix = ", ".join(f"{op} {n}" for op, n in Counter(op.split(".")[0] for op in loop).most_common(4))
+                regs, stack, shared, loop = compile_sm90(kq._gemv_kernel, sig, constexprs, aligned, warps, stages,
+                                                         mma=False)
                 step_bytes = bn * sub * 32 * (2 if swiglu else 1) // (2 if fp4 else 1) // (32 * warps)
-                lines.append(f"gemv {kind:8s} {(rows, bn, sub, warps, stages)!s:22s} registers {regs[1]}, stack "
-                             f"{regs[2]}, shared {kernel.metadata.shared} B, loop {len(loop)} per {step_bytes} weight "
-                             f"bytes per thread ({mix})")
+                lines.append(f"gemv {kind:8s} {(rows, bn, sub, warps, stages)!s:22s} registers {regs}, stack "
+                             f"{stack}, shared {shared} B, loop {len(loop)} per {step_bytes} weight "
+                             f"bytes per thread ({opcode_mix(loop, 4)})")
                 print(lines[-1], flush=True)
     return lines
 
