@@ -370,8 +370,9 @@ if triton is not None:
         Each step reads a [BLOCK_N, SUB·32] weight tile in its stored bytes (FP8, or FP4 as [BLOCK_N, SUB, 16]
         bytes whose low and high nibbles meet the even and odd activations: no interleave), multiplies it by each of
         the tile's ROWS activation rows (the quantized values in bf16) with fp32 FMAs, sums each 32-block and
-        scales it once.  Plain 2-D/3-D reductions over K: no tile is broadcast across rows, so no layout round trip
-        through shared memory; wide steps keep enough weight bytes in flight for a step bound by them."""
+        scales it once.  Plain 2-D/3-D reductions over K (the decoded weight tile is never broadcast across rows;
+        only each step's activation row passes through shared memory, under 1 KiB); wide steps keep enough weight
+        bytes in flight for a step bound by them."""
         g, m0, m_end, n0 = _tile(tl.program_id(0), M, N, n_groups, tile_start_ptr, row_start_ptr, GROUPED,
                                  ROWS, BLOCK_N, 1)
         if m0 < m_end:
@@ -484,10 +485,14 @@ DECODED_EXPERT_ROWS = 256
 EXPERT_SCRATCH_BYTES = 2 << 30
 
 
+def config_tier(rows: int) -> str:
+    """The CONFIGS tier for this many rows per weight."""
+    return "gemv" if rows <= GEMV_ROWS else "decode" if rows <= 64 else "medium" if rows <= 512 else "prefill"
+
+
 def _config(kind: str, rows: int, config):
     if config is None:
-        tier = "gemv" if rows <= GEMV_ROWS else "decode" if rows <= 64 else "medium" if rows <= 512 else "prefill"
-        config = CONFIGS[f"{kind}_{tier}"]
+        config = CONFIGS[f"{kind}_{config_tier(rows)}"]
     if config[0] == 0:  # BLOCK_M from the rows: 1, 2, 4 or 8
         config = (min(triton.next_power_of_2(max(rows, 1)), GEMV_ROWS), *config[1:])
     return config
@@ -570,21 +575,17 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
         raise ValueError("SPLIT_K > 1 serves the dense GEMM only")
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
     b2, bs2, w, limit = swiglu if swiglu is not None else (b, b_scale, out, 0.0)
+    common = {"B_FP4": b_fp4, "BS_E8M0": bs_e8m0, "BS_ROWS": bs_rows, "GROUPED": counts is not None,
+              "SWIGLU": swiglu is not None, "BLOCK_N": block_n, "SUB": sub, "SPLIT_K": split,
+              "EVEN": k % (32 * sub) == 0 and n % block_n == 0, "num_warps": warps, "num_stages": stages}
     if mma == 4:
         _gemv_kernel[(tiles, split)](
             a, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg, stride_bn,
-            stride_bsg, stride_bsn, float(limit), B_FP4=b_fp4, BS_E8M0=bs_e8m0, BS_ROWS=bs_rows,
-            GROUPED=counts is not None, SWIGLU=swiglu is not None, ROWS=block_m, BLOCK_N=block_n, SUB=sub,
-            SPLIT_K=split, EVEN=k % (32 * sub) == 0 and n % block_n == 0, num_warps=warps, num_stages=stages,
-        )
-        return out[0] if split == 1 else out.sum(0).to(out_dtype)
-    _scaled_gemm_kernel[(tiles, split)](
-        a, a_scale_t, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg, stride_bn,
-        stride_bsg, stride_bsn, float(limit), B_FP4=b_fp4, BS_E8M0=bs_e8m0, BS_ROWS=bs_rows,
-        GROUPED=counts is not None, SWIGLU=swiglu is not None, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
-        SPLIT_K=split, MMA=int(mma), EVEN=k % (32 * sub) == 0 and n % block_n == 0, GROUP_M=8,
-        num_warps=warps, num_stages=stages,
-    )
+            stride_bsg, stride_bsn, float(limit), ROWS=block_m, **common)
+    else:
+        _scaled_gemm_kernel[(tiles, split)](
+            a, a_scale_t, b, b_scale, b2, bs2, out, w, tile_start, row_start, m, n, k, n_groups, stride_bg,
+            stride_bn, stride_bsg, stride_bsn, float(limit), BLOCK_M=block_m, MMA=int(mma), GROUP_M=8, **common)
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
 

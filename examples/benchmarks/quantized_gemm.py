@@ -316,16 +316,13 @@ WO_A = (16, 1024, 4096)  # released wo_a: 16 groups of 4096 inputs -> 1024 outpu
 
 def decode_sweep(args):
     """Each decode-size GEMM per candidate configuration, in replayed CUDA graphs -> (lines, fastest per kind and
-    tier: "gemv" up to kq.GEMV_ROWS rows per weight, "decode" above, as ``kq.CONFIGS`` keys them)."""
+    tier, as ``kq.config_tier`` keys ``kq.CONFIGS``)."""
     lines = ["# decode sweep: us per call replayed from a CUDA graph (no launch cost); GB/s of weight bytes read"]
     total = {}  # "kind tier" -> config -> summed us over its cases
 
-    def tier(rows_per_weight):
-        return "gemv" if rows_per_weight <= kq.GEMV_ROWS else "decode"
-
     def row(kind, label, config, us, wbytes, rows_per_weight=1):
         if config is not None:
-            key = f"{kind} {tier(rows_per_weight)}"
+            key = f"{kind} {kq.config_tier(rows_per_weight)}"
             total.setdefault(key, {}).setdefault(config, 0.0)
             total[key][config] += us
         lines.append(f"{kind:8s} {label:34s} {config!s:28s} {us:9.1f} us {wbytes / us / 1e3:8.0f} GB/s")
