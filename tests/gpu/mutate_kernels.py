@@ -165,9 +165,9 @@ MUTANTS = [
     Mutant("quant_swiglu_no_clamp", QUANTIZED, "up = tl.clamp(up, -limit, limit)", "up = up", (QUANTIZED_TESTS,),
            "FP4 experts' fused SwiGLU: the up projection not clamped"),
     Mutant("quant_gemv_scale_k_block", QUANTIZED, "bs_base + kb[None, :] + (offs_n", "bs_base + kb[None, :] // 2 + (offs_n",
-           (QUANTIZED_TESTS,), "GEMV (MMA 4): the scale of K block kb read from block kb // 2"),
+           (QUANTIZED_TESTS, "-k", "gemv"), "GEMV (MMA 4): the scale of K block kb read from block kb // 2"),
     Mutant("quant_gemv_even_odd_swapped", QUANTIZED, "a_even, a_odd = tl.split(", "a_odd, a_even = tl.split(",
-           (QUANTIZED_TESTS,), "GEMV (MMA 4) on FP4: the even and odd activations swapped"),
+           (QUANTIZED_TESTS, "-k", "gemv"), "GEMV (MMA 4) on FP4: the even and odd activations swapped"),
 ]
 
 
