@@ -456,11 +456,13 @@ if triton is not None:
 # 10-15 %, of the FP8 MMA by 15-40 %; examples/benchmarks/results/quantized_gemm_h100.txt); decode: the fastest at
 # one row.  MMA 3 is not a default: with (0, 32, 8, 4, 2, *, 3) for dense, grouped and SwiGLU the kept proxy's GEMMs
 # took 3.4 ms per one-token step against 2.1 ms with these, and 26.1 ms against 2.1 ms at 32 tokens (H100,
-# results/kept_proxy_h100.txt); quantized_gemm.py --decode-sweep times its candidates.  The GEMV kernel (MMA 4) is
-# not yet timed on a GPU (checked under the Triton interpreter and compiled for sm_90 only): the "gemv" tier keeps
-# the decode tier's bf16-MMA configurations until the sweep has measured it.
+# results/kept_proxy_h100.txt); quantized_gemm.py --decode-sweep times its candidates.  Dense "gemv": the GEMV
+# kernel (MMA 4), fastest on the seven released dense shapes at one row on an H200 (1.15-1.5x the best bf16-MMA
+# configuration; the kept proxy's one-token step 0.81x bf16 with it, results/quantized_gemm_h200.txt).  The grouped
+# and SwiGLU "gemv" tiers (wo_a's block-diagonal launch among them, though MMA 4 took it 1.44x faster) keep the
+# bf16-MMA configurations: the sweep has not yet timed MMA 4 on the experts.
 CONFIGS = {
-    "dense_gemv": (64, 64, 2, 4, 6, 0, 1),
+    "dense_gemv": (0, 32, 8, 4, 2, 0, 4),
     "grouped_gemv": (64, 64, 2, 4, 6, 1, 1),
     "swiglu_gemv": (64, 32, 2, 4, 6, 1, 1),
     "dense_decode": (64, 64, 2, 4, 6, 0, 1),
