@@ -408,6 +408,14 @@ def compile_sm90(fn, sig, constexprs, aligned, warps, stages, mma=True):
     return int(regs[1]), int(regs[2]), kernel.metadata.shared, main_loop(sass, mma)
 
 
+def weight_arguments(fp4: bool) -> dict:
+    """The Triton signature of the arguments both quantized kernels take after their activation pointers."""
+    weight = "*u8" if fp4 else "*fp8e4nv"
+    return {"b_ptr": weight, "bs_ptr": "*u8", "b2_ptr": weight, "bs2_ptr": "*u8", "c_ptr": "*bf16", "w_ptr": "*fp32",
+            "tile_start_ptr": "*i32", "row_start_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "n_groups": "i32",
+            "stride_bg": "i32", "stride_bn": "i32", "stride_bsg": "i32", "stride_bsn": "i32", "limit": "fp32"}
+
+
 def opcode_mix(loop, top):
     from collections import Counter
 
@@ -422,12 +430,8 @@ def ptxas_report():
     for kind, configs in SWEEP.items():
         fp4, swiglu = not kind.startswith("dense"), kind.startswith("swiglu")
         for bm, bn, sub, warps, stages, split, mma in configs:
-            weight = "*u8" if fp4 else "*fp8e4nv"
-            act = "*bf16" if mma else "*fp8e4nv"
-            sig = {"a_ptr": act, "as_ptr": "*bf16" if mma else "*fp32", "b_ptr": weight, "bs_ptr": "*u8",
-                   "b2_ptr": weight, "bs2_ptr": "*u8", "c_ptr": "*bf16", "w_ptr": "*fp32", "tile_start_ptr": "*i32",
-                   "row_start_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "n_groups": "i32", "stride_bg": "i32",
-                   "stride_bn": "i32", "stride_bsg": "i32", "stride_bsn": "i32", "limit": "fp32"}
+            sig = {"a_ptr": "*bf16" if mma else "*fp8e4nv", "as_ptr": "*bf16" if mma else "*fp32",
+                   **weight_arguments(fp4)}
             aligned = [i for i, (name, ty) in enumerate(sig.items())
                        if ty.startswith("*") or name in ("M", "N", "K", "stride_bg", "stride_bn", "stride_bsg")]
             constexprs = {"B_FP4": fp4, "BS_E8M0": True, "BS_ROWS": 1 if fp4 else 32, "GROUPED": fp4,
@@ -448,11 +452,7 @@ def gemv_ptxas_report():
               "step of BLOCK_N x SUB*32 weights")]
     for kind in ("dense", "grouped", "swiglu"):
         fp4, swiglu = kind != "dense", kind == "swiglu"
-        weight = "*u8" if fp4 else "*fp8e4nv"
-        sig = {"a_ptr": "*bf16", "b_ptr": weight, "bs_ptr": "*u8", "b2_ptr": weight, "bs2_ptr": "*u8",
-               "c_ptr": "*bf16", "w_ptr": "*fp32", "tile_start_ptr": "*i32", "row_start_ptr": "*i32", "M": "i32",
-               "N": "i32", "K": "i32", "n_groups": "i32", "stride_bg": "i32", "stride_bn": "i32",
-               "stride_bsg": "i32", "stride_bsn": "i32", "limit": "fp32"}
+        sig = {"a_ptr": "*bf16", **weight_arguments(fp4)}
         aligned = [i for i, (name, ty) in enumerate(sig.items())
                    if ty.startswith("*") or name in ("K", "stride_bg", "stride_bn", "stride_bsg")]
         for _, bn, sub, warps, stages, _, mma in DECODE_SWEEP[kind]:
