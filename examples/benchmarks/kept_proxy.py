@@ -319,6 +319,10 @@ def prefill_rates(models: dict, args, device) -> dict:
     for _ in range(args.repeats):
         for label, model in models.items():
             times[label].append(timed(model, ids, device))
+    if args.kernel_table:  # where a prefill's GPU time goes, per model (decode.py's table)
+        for label, model in models.items():
+            profile_steps(functools.partial(model, ids, logits_to_keep=1), 1, device, args.kernel_table,
+                          f"{label} prefill, {args.prefill_tokens} tokens")
     return {label: args.prefill_tokens / statistics.mean(values) for label, values in times.items()}
 
 
@@ -452,7 +456,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per row")
     parser.add_argument("--decode-warmup", type=int, default=3, help="untimed decode steps after the capture")
     parser.add_argument("--torch-attention", action="store_true", help="attn torch even with tilelang")
-    parser.add_argument("--kernel-table", help="append each decode step's kernels by total time to this file")
+    parser.add_argument("--kernel-table",
+                        help="append each prefill's and decode step's kernels by total time to this file")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
