@@ -447,25 +447,28 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k[None, :], (values * s).to(tl.bfloat16), mask=out_live)
 
 
-# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("gemv" up to
-# GEMV_ROWS, "decode" up to 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the GPU.
-# MMA 0: the FP8 MMA with a promotion per 32-block, 1: the bf16 MMA on decoded tiles, 2: the same with the decoded
-# weight tile as the left operand, 3: no MMA (fp32 FMAs), 4: the GEMV kernel (fp32 FMAs); for 3 and 4, BLOCK_M 0 =
-# the rows per weight rounded up to a power of two, at most GEMV_ROWS.
+# (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("gemv": one row,
+# "small" up to 16, "decode" up to 64, "medium" up to 512, then "prefill"); SPLIT_K 0 = as many K slices as fill the
+# GPU.  MMA 0: the FP8 MMA with a promotion per 32-block, 1: the bf16 MMA on decoded tiles, 2: the same with the
+# decoded weight tile as the left operand, 3: no MMA (fp32 FMAs), 4: the GEMV kernel (fp32 FMAs); for 3 and 4,
+# BLOCK_M 0 = the rows per weight rounded up to a power of two, at most GEMV_ROWS.
 # Prefill and medium: the fastest of quantized_gemm.py --sweep on an H100 (MMA 2 at 256x128 ahead of MMA 1 by
-# 10-15 %, of the FP8 MMA by 15-40 %; examples/benchmarks/results/quantized_gemm_h100.txt); decode: the fastest at
-# one row.  MMA 3 is not a default: with (0, 32, 8, 4, 2, *, 3) for dense, grouped and SwiGLU the kept proxy's GEMMs
-# took 3.4 ms per one-token step against 2.1 ms with these, and 26.1 ms against 2.1 ms at 32 tokens (H100,
-# results/kept_proxy_h100.txt); quantized_gemm.py --decode-sweep times its candidates.  Dense "gemv": the GEMV
-# kernel (MMA 4), fastest on the seven released dense shapes at one row on an H200 (1.15-1.5x the best bf16-MMA
-# configuration; the kept proxy's one-token step 0.81x bf16 with it, results/quantized_gemm_h200.txt).  The grouped
-# and SwiGLU "gemv" tiers (wo_a's block-diagonal launch among them, though MMA 4 took it 1.44x faster) keep the
-# bf16-MMA configurations: the sweep has not yet timed MMA 4 on the experts.
+# 10-15 %, of the FP8 MMA by 15-40 %; examples/benchmarks/results/quantized_gemm_h100.txt).  The rest: the fastest
+# of quantized_gemm.py --decode-sweep (H200 and H100, results/quantized_gemm_h*.txt).  "gemv" is the GEMV kernel
+# (MMA 4) for dense, wo_a and the experts: at one row per weight it is 1.15-1.6x the best bf16-MMA configuration on
+# every released shape (experts, one token: 128 vs 221 us on an H100).  Its fp32 FMAs grow with the rows while the
+# MMAs do not, so from two rows on the MMAs take over: at six rows per expert (32 tokens over 32 experts) MMA 2 with
+# 16-row tiles is 3x MMA 4 (783 vs 2,297 us) and 1.5x MMA 1 (1,159 us); dense at 32 rows: MMA 2 (32x64) fastest.
+# MMA 3 is not a default: 1.5-3.8x slower than MMA 4 at one row (H200) and, at 32 tokens, 12x the kept proxy's
+# GEMM time per step (H100, results/kept_proxy_h100.txt).
 CONFIGS = {
     "dense_gemv": (0, 32, 8, 4, 2, 0, 4),
-    "grouped_gemv": (64, 64, 2, 4, 6, 1, 1),
-    "swiglu_gemv": (64, 32, 2, 4, 6, 1, 1),
-    "dense_decode": (64, 64, 2, 4, 6, 0, 1),
+    "grouped_gemv": (0, 32, 8, 4, 2, 1, 4),
+    "swiglu_gemv": (0, 32, 8, 4, 2, 1, 4),
+    "dense_small": (16, 64, 4, 4, 3, 0, 2),
+    "grouped_small": (16, 64, 4, 4, 3, 1, 2),
+    "swiglu_small": (16, 32, 4, 4, 3, 1, 2),
+    "dense_decode": (32, 64, 4, 4, 4, 0, 2),
     "dense_medium": (128, 128, 2, 8, 3, 1, 2),
     "dense_prefill": (256, 128, 2, 8, 3, 1, 2),
     "grouped_decode": (64, 64, 2, 4, 6, 1, 1),
@@ -489,7 +492,16 @@ EXPERT_SCRATCH_BYTES = 2 << 30
 
 def config_tier(rows: int) -> str:
     """The CONFIGS tier for this many rows per weight."""
-    return "gemv" if rows <= GEMV_ROWS else "decode" if rows <= 64 else "medium" if rows <= 512 else "prefill"
+    if rows <= 1:
+        return "gemv"
+    return "small" if rows <= 16 else "decode" if rows <= 64 else "medium" if rows <= 512 else "prefill"
+
+
+def rows_per_expert(m: int, n_experts: int) -> int:
+    """Rows per live expert when m routed rows go to n_experts: at most min(n_experts, m) experts get any, so one
+    token's top-k rows are one row per expert however many experts there are (the average over all experts, m //
+    n_experts, would call 192 rows over 384 experts zero)."""
+    return -(-m // max(min(n_experts, m), 1))
 
 
 def _config(kind: str, rows: int, config):
@@ -750,7 +762,7 @@ def fp4_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor
     n = codes.shape[1]
     if not m:
         return a.new_empty(0, n, dtype=out_dtype)
-    config = _config("grouped", m // max(codes.shape[0], 1), config)
+    config = _config("grouped", rows_per_expert(m, codes.shape[0]), config)
     if config[6]:  # the bf16 MMA reads the activations' values
         a = (a.float() * a_scale.repeat_interleave(GROUP, 1)[:, :k]).bfloat16()
     return _launch(a.contiguous(), a_scale.t().contiguous(), codes, s, out_dtype, n=n, k=k, b_fp4=True,
@@ -778,12 +790,12 @@ def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_s
     if not m:
         return x.new_empty(0, dim, dtype=torch.bfloat16)
     counts = counts.to(x.device)
-    rows_per_expert = m // max(n_experts, 1)
-    if (configs == (None, None) and rows_per_expert >= DECODED_EXPERT_ROWS
+    rows = rows_per_expert(m, n_experts)
+    if (configs == (None, None) and rows >= DECODED_EXPERT_ROWS
             and not torch.cuda.is_current_stream_capturing()):
         return _decoded_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit)
-    up_config = _config("swiglu", rows_per_expert, configs[0])
-    down_config = _config("grouped", rows_per_expert, configs[1])
+    up_config = _config("swiglu", rows, configs[0])
+    down_config = _config("grouped", rows, configs[1])
     a, a_scale = _act_quant_t(x, qdq=bool(up_config[6]))
     h = _launch(a, a_scale, w1c, w1s, torch.bfloat16, n=inter, k=dim, b_fp4=True, bs_e8m0=e8m0, bs_rows=1,
                 config=up_config, strides=_fp4_strides(w1c, w1s), counts=counts,

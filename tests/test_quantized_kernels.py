@@ -92,3 +92,18 @@ def test_gemm_entry_points_check_their_inputs():
         kq.fp4_grouped_gemm(a, a_scale, codes[None], scales[None], torch.tensor([2, 2]))
     with pytest.raises(TypeError, match="two E2M1 codes per byte"):
         kq.fp4_grouped_gemm(a, a_scale, codes[None].float(), scales[None], torch.tensor([4]))
+
+
+def test_config_tiers_follow_the_rows_per_live_expert():
+    # one token's top-6 rows are one row per expert, whatever the expert count: the GEMV tier
+    assert kq.rows_per_expert(6, 32) == 1 and kq.rows_per_expert(192, 384) == 1
+    assert kq.rows_per_expert(192, 32) == 6 and kq.rows_per_expert(4096 * 6, 32) == 768
+    assert kq.rows_per_expert(0, 8) == 0
+    tiers = {rows: kq.config_tier(rows) for rows in (0, 1, 2, 16, 17, 64, 65, 512, 513)}
+    assert tiers == {0: "gemv", 1: "gemv", 2: "small", 16: "small", 17: "decode", 64: "decode", 65: "medium",
+                     512: "medium", 513: "prefill"}
+    for kind in ("dense", "grouped", "swiglu"):
+        for tier in set(tiers.values()):
+            config = kq.CONFIGS[f"{kind}_{tier}"]
+            assert len(config) == 7 and config[6] in (0, 1, 2, 3, 4)
+            assert (config[6] == 4) == (tier == "gemv")  # the GEMV kernel at one row only (quantized_gemm.py sweeps)

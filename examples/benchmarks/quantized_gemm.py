@@ -377,7 +377,7 @@ def decode_sweep(args):
             fn = partial(kq.fp4_grouped_experts, x, counts, weights, *packed["w1"], *packed["w3"], *packed["w2"], 10.0,
                          configs=(up, down))
             fn()
-            row("experts", label, (up, down), graph_time_us(fn), wbytes * (0.5 + 1 / 32), rows // E)
+            row("experts", label, (up, down), graph_time_us(fn), wbytes * (0.5 + 1 / 32), kq.rows_per_expert(rows, E))
     best = {kind: min(times, key=times.get) for kind, times in total.items()}
     lines.append(f"# fastest (summed over the cases): {best}")
     return lines, best

@@ -246,7 +246,7 @@ def reference_experts(x, counts, weights, w1, w3, w2, limit):
     ],
 )
 def test_fp4_grouped_experts(counts, dim, inter, limit, configs, monkeypatch):
-    if sum(counts) // len(counts) >= kq.DECODED_EXPERT_ROWS:
+    if kq.rows_per_expert(sum(counts), len(counts)) >= kq.DECODED_EXPERT_ROWS:
         monkeypatch.setattr(kq, "EXPERT_SCRATCH_BYTES", 3 * 2 * 3 * dim * inter)  # chunks of 3 experts
     gen = torch.Generator(device="cuda").manual_seed(dim)
     E = len(counts)
