@@ -66,7 +66,8 @@ def test_graph_decode_equals_eager_decode(model, lengths):
     assert cache.graph.graph is not None  # captured: the steps after the first were replays
     assert torch.equal(graph.sequences, eager.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(graph.logits, eager.logits))
-    gate("logits_maxabs_graph_vs_eager", diff, 1e-4, inclusive=True)
+    # the replay runs the eager step's kernels on the same inputs: bit-equal (0.0 on an H100 and an H200)
+    gate("logits_maxabs_graph_vs_eager", diff, 0.0, inclusive=True)
     model.decode_graph = "cuda_graph"
 
 
@@ -145,7 +146,9 @@ def test_compiled_decode_graph_runs_within_the_bf16_gates(model):
     assert returned_cache(compiled).graph.graph is not None
     # the first step's logits (same prefix): Inductor's kernels round differently from the eager ones
     metrics = logits_metrics(eager.logits[0].float(), compiled.logits[0].float())
-    gate("mean_kl", metrics["mean_kl"], 1e-3, inclusive=True)
+    # measured 0.0 on an H100 (torch 2.11, 2026-12-07); the gate leaves room for another torch's Inductor fusing
+    # (and rounding) differently, at 1/100 of the 1e-3 bf16 gate the other paths meet
+    gate("mean_kl", metrics["mean_kl"], 1e-5, inclusive=True)
     report("max_kl", metrics["max_kl"])
     model.decode_graph = "cuda_graph"
 
@@ -185,7 +188,9 @@ def test_triton_decode_indexer_decodes_as_the_eager_indexer(v4_tokenizer, monkey
     clear = top2[..., 0] - top2[..., 1] > 0.01
     assert clear.float().mean() > 0.5 and torch.equal(eager.argmax(-1)[clear], triton.argmax(-1)[clear])
     metrics = logits_metrics(eager.flatten(0, 1), triton.flatten(0, 1))
-    gate("mean_kl", metrics["mean_kl"], 1e-4, inclusive=True)
+    # measured 0.0 on an H100 (2026-12-07): the kernel's fp32 scores pick the same entries; the gate allows a
+    # tie broken the other way at a near-flat position of this random model, not a wrong score
+    gate("mean_kl", metrics["mean_kl"], 1e-5, inclusive=True)
     report("max_kl", metrics["max_kl"])
 
 

@@ -35,5 +35,6 @@ def test_tilelang_prefill_then_cached_decode_matches_full_forwards(v4_tokenizer)
     # The bf16 KL gates.  Top-1 is not gated here: this random tiny model's logits are nearly flat (on the
     # H200 only 1 of 80 positions led by more than twice the largest logit difference between the two
     # attention paths), so argmax flips on rounding; tests/test_generation.py gates top-1 on the golden model.
-    gate("mean_kl", metrics["mean_kl"], 1e-3, inclusive=True)
-    gate("max_kl", metrics["max_kl"], 1e-3, inclusive=True)
+    # measured on an H100 (2026-12-07): mean 1.3e-5, max 1.1e-4; gates ~8x and ~5x (another GPU picks other kernels)
+    gate("mean_kl", metrics["mean_kl"], 1e-4, inclusive=True)
+    gate("max_kl", metrics["max_kl"], 5e-4, inclusive=True)

@@ -131,8 +131,9 @@ def test_backward_is_bit_deterministic_at_v41_shape(monkeypatch):
     torch.cuda.synchronize()
     for name, x, y in zip(("dq", "dkv", "dsink"), first, second):
         assert torch.equal(x, y), f"{name} differs between two runs of the default backward"
+    # measured on an H100 (2026-12-07): dq 1.7e-5, dkv 2.6e-3 (the atomic sum's order), dsink 1.4e-7
     for name, x, y in zip(("dq", "dkv", "dsink"), first, atomic):
-        gate(f"{name}_vs_atomic", rel_err(x, y), 5e-3)
+        gate(f"{name}_vs_atomic", rel_err(x, y), {"dq": 1e-4, "dkv": 5e-3, "dsink": 1e-6}[name])
 
     qr, kvr, sr = (t.detach().float().requires_grad_() for t in (q, kv, sink))
     sparse_attention_torch(qr, kvr, sr, idx, scale).backward(do.float())
@@ -175,8 +176,9 @@ def test_empty_blocks_before_between_and_after_keys():
     out_ref.backward(do.float())
     errs = {"out": rel_err(out, out_ref), "dq": rel_err(qt.grad, qr.grad), "dkv": rel_err(kvt.grad, kvr.grad),
             "dsink": rel_err(st.grad, sr.grad)}
+    # measured on an H100 (2026-12-07): out 2.1e-3, dq 2.4e-3, dkv 2.9e-3 (bf16 rounding), dsink 9.0e-4
     for k, e in errs.items():
-        gate(k, e, 1e-2)
+        gate(k, e, 5e-3 if k == "dsink" else 1e-2)
     assert out[:, pattern == 3].abs().max().item() == 0.0
 
     padded = torch.cat([idx, torch.full_like(idx, -1)], dim=-1)
@@ -278,7 +280,7 @@ def test_indexer_scores_match_torch(b, s, ratio):
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(out), finite)
     assert (out[~finite] == float("-inf")).all()
-    gate("scores_vs_torch", rel_err(out[finite], ref[finite]), 1e-3)
+    gate("scores_vs_torch", rel_err(out[finite], ref[finite]), 1e-6)  # measured 1.7e-7 (fp32 sums, H100)
 
 
 @pytest.mark.gpu
@@ -300,7 +302,7 @@ def test_indexer_query_chunks_match_one_call():
     ref = indexer_scores_torch(q[:, chunk:], w[:, chunk:], k, ratio, query_offset=chunk)
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(tail), finite)
-    gate("tail_vs_torch", rel_err(tail[finite], ref[finite]), 1e-3)  # as the unchunked test above
+    gate("tail_vs_torch", rel_err(tail[finite], ref[finite]), 1e-6)  # as the unchunked test above (1.7e-7)
     with pytest.raises(ValueError, match="query_offset"):
         kt.indexer_scores_tilelang(q, w, k, ratio, query_offset=-1)
 
@@ -391,8 +393,8 @@ def test_cuda_forward_matches_tilelang_forward_and_fp32(b, s, h, n, k, empty):
     # P is rounded to bf16 after the softmax in both kernels: no worse than the TileLang forward, within noise
     report("o_tilelang_vs_fp32", errs["o_tilelang_vs_fp32"])
     gate("o_vs_fp32_within_1p2x_tilelang", errs["o_vs_fp32"], 1.2 * errs["o_tilelang_vs_fp32"])
-    gate("lse2_vs_fp32", errs["lse2_vs_fp32"], 1e-4)
-    gate("lse2_vs_tilelang", errs["lse2_vs_tilelang"], 1e-4)
+    gate("lse2_vs_fp32", errs["lse2_vs_fp32"], 1.5e-5)  # measured 2.9e-6 (H100)
+    gate("lse2_vs_tilelang", errs["lse2_vs_tilelang"], 1e-5)  # measured 1.9e-6
 
 
 @pytest.mark.gpu
@@ -418,7 +420,7 @@ def test_backend_forward_uses_cuda_at_d512_unless_told_otherwise(monkeypatch):
     monkeypatch.delenv("DS41_SPARSE_FWD")
     out_cuda = kt.sparse_attention_tilelang(q, kv, sink, idx, 512**-0.5)
     assert len(calls) == 2
-    gate("cuda_vs_tilelang", rel_err(out_cuda, out_tl), 5e-3)
+    gate("cuda_vs_tilelang", rel_err(out_cuda, out_tl), 2e-3)  # measured 4.1e-4 (H100)
     kernel = sparse_attention_cuda.cuda_forward_kernel(256)
     assert kernel.local_bytes() == 0, "the CUDA forward spills registers"
 
@@ -517,10 +519,11 @@ def test_cuda_slot_kernel_matches_tilelang_and_fp32(b, s, h, n, k, empty):
     sparse_attention_torch(qr, kvr, sink, idx, scale).backward(do.float())
     errs |= {"dq_vs_fp32": rel_err(dq, qr.grad), "dkv_vs_fp32": rel_err(dkv, kvr.grad)}
     print(errs)
-    gate("delta", errs["delta"], 1e-5)
-    gate("delta_vs_tilelang", errs["delta_vs_tilelang"], 1e-5)
-    gate("dq_vs_tilelang", errs["dq_vs_tilelang"], 5e-3)
-    gate("slots_vs_tilelang", errs["slots_vs_tilelang"], 5e-3)
+    # measured on an H100 (2026-12-07): delta 1.0e-7 both, dq vs TileLang 2.3e-5, slots 1.3e-5
+    gate("delta", errs["delta"], 5e-7)
+    gate("delta_vs_tilelang", errs["delta_vs_tilelang"], 5e-7)
+    gate("dq_vs_tilelang", errs["dq_vs_tilelang"], 1e-4)
+    gate("slots_vs_tilelang", errs["slots_vs_tilelang"], 6e-5)
     gate("dq_vs_fp32", errs["dq_vs_fp32"], 1e-2)
     gate("dkv_vs_fp32", errs["dkv_vs_fp32"], 1e-2)
     assert dq[0, 4].abs().max().item() == 0.0  # no key: no gradient
@@ -548,5 +551,6 @@ def test_backend_backward_uses_cuda_slots_at_d512_unless_told_otherwise(monkeypa
     monkeypatch.setenv("DS41_SPARSE_BWD_SLOTS", "tilelang")
     tile = _grads(q, kv, sink, idx, do, 512**-0.5)
     assert len(calls) == 2
+    # measured on an H100 (2026-12-07): dq 8.0e-6, dkv 1.9e-5, dsink 1.4e-7
     for name, x, y in zip(("dq", "dkv", "dsink"), cuda, tile):
-        gate(f"{name}_cuda_vs_tilelang", rel_err(x, y), 5e-3)
+        gate(f"{name}_cuda_vs_tilelang", rel_err(x, y), {"dq": 4e-5, "dkv": 1e-4, "dsink": 1e-6}[name])

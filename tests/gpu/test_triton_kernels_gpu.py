@@ -5,7 +5,7 @@ against an fp64 reference, the decode indexer's scores against an fp64 reference
 
 import pytest
 import torch
-from gpu_metrics import assert_bf16_backend_as_close_to_fp32, rel_err
+from gpu_metrics import assert_bf16_backend_as_close_to_fp32, gate, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +51,8 @@ def test_rope_gradients_on_cuda_match_the_cpu():
         results.append((y.detach().cpu().clone(), layer.weight.grad.cpu().clone()))  # .to() moves grads in place
     (y_cpu, gw_cpu), (y_gpu, gw_gpu) = results
     # the linear's GEMMs round differently on the two devices; the rotations themselves are exact
-    assert rel_err(y_gpu, y_cpu) < 1e-2 and rel_err(gw_gpu, gw_cpu) < 1e-2
+    gate("y_gpu_vs_cpu", rel_err(y_gpu, y_cpu), 1e-2)
+    gate("grad_w_gpu_vs_cpu", rel_err(gw_gpu, gw_cpu), 1e-2)
 
 
 @pytest.mark.parametrize("rows,dim", [(4096, 5120), (1000, 1280), (777, 512), (64, 128)])
@@ -79,7 +80,7 @@ def test_triton_rms_norm_is_as_accurate_as_the_eager_fp32_norm(rows, dim):
         assert y.dtype == xb.grad.dtype == norm.weight.grad.dtype == torch.bfloat16
         errors[backend] = (rel_err(y, y64), rel_err(xb.grad, dx64), rel_err(norm.weight.grad, dw64))
     for name, eager, triton_err in zip(("y", "dx", "dw"), errors["torch_fp32"], errors["triton"]):
-        assert triton_err < 1e-2, name
+        gate(f"{name}_vs_fp64", triton_err, 1e-2)
         assert triton_err <= 1.1 * eager + 1e-6, (name, triton_err, eager)
 
 
@@ -103,7 +104,7 @@ def test_fused_cross_entropy_kernels_match_eager(with_logits_grad):
     lse, total = cross_entropy_rows_triton(logits, targets)
     lse64 = torch.logsumexp(logits.double(), -1)
     picked = logits.double().gather(1, targets.clamp(min=0)[:, None])[:, 0]
-    assert rel_err(lse, lse64) < 1e-6
+    gate("lse_vs_fp64", rel_err(lse, lse64), 1e-6)
     assert abs(total.item() - torch.where(targets >= 0, lse64 - picked, 0).sum().item()) < 1e-4 * total.item()
 
     grad_loss = torch.tensor(0.01, device="cuda")
@@ -117,7 +118,7 @@ def test_fused_cross_entropy_kernels_match_eager(with_logits_grad):
     if extra is not None:
         ref = ref + extra.double()
     assert (out[:n][~counted].float().abs().max() == 0) == (extra is None)
-    assert rel_err(out[:n].float() + out[n:].float(), ref) < 1e-5
+    gate("grad_hi_plus_lo_vs_fp64", rel_err(out[:n].float() + out[n:].float(), ref), 1e-5)
     hi = _split_bf16(ref.float())[0]  # the split itself is the eager one: hi is g rounded to bf16
     assert (out[:n] != hi).float().mean() < 1e-3
 
@@ -136,7 +137,7 @@ def test_moe_gather_sum_kernel_matches_the_eager_combine(dtype):
     ref = _sum_slots(y, order, k, dtype)
     assert out.dtype == dtype and out.shape == (n, dim)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
-    assert rel_err(out.cpu(), y.double().view(-1, dim)[torch.argsort(order)].view(n, k, dim).sum(1)) < 5e-3
+    gate("combine_vs_fp64", rel_err(out.cpu(), y.double().view(-1, dim)[torch.argsort(order)].view(n, k, dim).sum(1)), 5e-3)
     shared = torch.randn(n, dim, generator=g).bfloat16()  # the combine with the shared expert's output added
     out = _sum_slots(y.cuda(), order.cuda(), k, dtype, shared.cuda())
     torch.testing.assert_close(out.cpu(), _sum_slots(y, order, k, dtype, shared),
@@ -151,23 +152,23 @@ def test_weighted_swiglu_kernels_match_eager_autograd(limit):
 
     g = torch.Generator(device="cuda").manual_seed(4)
     m, inter = 3000, 2304
-    gate = (torch.randn(m, inter, device="cuda", generator=g) * 5).bfloat16().requires_grad_()
+    gate_in = (torch.randn(m, inter, device="cuda", generator=g) * 5).bfloat16().requires_grad_()
     up = (torch.randn(m, inter, device="cuda", generator=g) * 5).bfloat16().requires_grad_()
     weights = torch.rand(m, device="cuda", generator=g).requires_grad_()
     dh = torch.randn(m, inter, device="cuda", generator=g).bfloat16()
-    out = fused_weighted_swiglu(gate, up, weights, limit)
+    out = fused_weighted_swiglu(gate_in, up, weights, limit)
     assert out.grad_fn is not None and "WeightedSwiGLU" in out.grad_fn.name()  # the Triton path ran
-    grads = torch.autograd.grad(out, (gate, up, weights), dh)
-    leaves = [t.detach().double().requires_grad_() for t in (gate, up, weights)]
+    grads = torch.autograd.grad(out, (gate_in, up, weights), dh)
+    leaves = [t.detach().double().requires_grad_() for t in (gate_in, up, weights)]
     ref = weighted_swiglu(*leaves, limit)
     ref_grads = torch.autograd.grad(ref, leaves, dh.double())
     assert out.dtype == torch.bfloat16 and [t.dtype for t in grads] == [torch.bfloat16, torch.bfloat16, torch.float32]
-    assert rel_err(out, ref) < 4e-3  # one bf16 rounding
-    for grad, ref_grad in zip(grads, ref_grads):
-        assert rel_err(grad, ref_grad) < (4e-3 if grad.dtype == torch.bfloat16 else 1e-5)
+    gate("out_vs_fp64", rel_err(out, ref), 4e-3)  # one bf16 rounding
+    for name, grad, ref_grad in zip(("d_gate", "d_up", "d_weights"), grads, ref_grads):
+        gate(f"{name}_vs_fp64", rel_err(grad, ref_grad), 4e-3 if grad.dtype == torch.bfloat16 else 1e-5)
     if limit:  # the clamps took effect on both inputs, and their gradients are zero where they did
-        assert (gate > limit).any() and (up.abs() > limit).any()
-        assert (grads[0][gate > limit] == 0).all() and (grads[1][up.abs() > limit] == 0).all()
+        assert (gate_in > limit).any() and (up.abs() > limit).any()
+        assert (grads[0][gate_in > limit] == 0).all() and (grads[1][up.abs() > limit] == 0).all()
 
 
 @pytest.mark.parametrize("rows", [1, 37, 4096])
