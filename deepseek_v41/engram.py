@@ -24,6 +24,9 @@ from .engram_host import EngramTable, PrefetchedRows
 from .layers import make_linear
 
 GATE_CLAMP = 1e-6  # |score| is clamped to at least this before its square root
+# Without autograd (inference), the gate runs this many positions at a time: its fp32 temporaries are ~5 copies
+# of the streams [b, s, hc, dim] (10.7 GB each at 128k tokens on one row), which a long prefill cannot hold at once
+GATE_POSITIONS = 16384
 
 
 class Engram(nn.Module):
@@ -89,7 +92,20 @@ class Engram(nn.Module):
 def engram_gate(x, kv, q_weight, k_weight, eps: float, image_mask):
     """x [b, s, hc, dim] streams, kv [b, s, (hc + 1) * dim] (hc keys, then one value) -> [b, s, hc, dim]:
     x + sigmoid(signed_sqrt(<rms(x)·q_weight, rms(key)·k_weight> / sqrt(dim))) · value, in fp32, one rounding;
-    the gate is closed (0) on image positions."""
+    the gate is closed (0) on image positions.  Each position's value depends on its own inputs only, so without
+    autograd a long sequence goes ``GATE_POSITIONS`` at a time."""
+    s = x.shape[1]
+    if s <= GATE_POSITIONS or torch.is_grad_enabled():
+        return _engram_gate(x, kv, q_weight, k_weight, eps, image_mask)
+    out = torch.empty_like(x)
+    for start in range(0, s, GATE_POSITIONS):
+        part = slice(start, start + GATE_POSITIONS)
+        mask = None if image_mask is None else image_mask[:, part]
+        out[:, part] = _engram_gate(x[:, part], kv[:, part], q_weight, k_weight, eps, mask)
+    return out
+
+
+def _engram_gate(x, kv, q_weight, k_weight, eps: float, image_mask):
     hc, dim = x.shape[-2:]
     key = kv[..., : hc * dim].unflatten(-1, (hc, dim)).float()
     value = kv[..., hc * dim :].float()

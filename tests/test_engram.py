@@ -67,3 +67,28 @@ def test_engram_off_builds_without_a_tokenizer_and_runs():
     with torch.no_grad():
         logits = model(IDS).logits
     assert logits.shape == (2, 32, 1024) and logits.isfinite().all()
+
+
+def test_the_gate_without_autograd_goes_a_block_of_positions_at_a_time(monkeypatch):
+    # a long prefill's gate in blocks of GATE_POSITIONS (bounded fp32 temporaries): the same values as in one
+    # pass, the image mask's closed positions included; with autograd on it stays one pass
+    from deepseek_v41 import engram
+
+    g = torch.Generator().manual_seed(0)
+    hc, dim, s = 4, 64, 37
+    x = torch.randn(2, s, hc, dim, generator=g).bfloat16()
+    kv = torch.randn(2, s, (hc + 1) * dim, generator=g).bfloat16()
+    q_weight, k_weight = (1 + 0.1 * torch.randn(2, hc, dim, generator=g)).bfloat16()
+    mask = torch.zeros(2, s, dtype=torch.bool)
+    mask[1, 10:20] = True
+    whole = engram.engram_gate(x, kv, q_weight, k_weight, 1e-6, mask)
+    calls = []
+    inner = engram._engram_gate
+    monkeypatch.setattr(engram, "_engram_gate", lambda *a: calls.append(a[0].shape[1]) or inner(*a))
+    monkeypatch.setattr(engram, "GATE_POSITIONS", 16)
+    with torch.no_grad():
+        blocks = engram.engram_gate(x, kv, q_weight, k_weight, 1e-6, mask)
+    assert calls == [16, 16, 5] and torch.equal(blocks, whole)
+    calls.clear()
+    engram.engram_gate(x, kv, q_weight, k_weight, 1e-6, mask)
+    assert calls == [s]

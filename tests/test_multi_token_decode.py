@@ -206,6 +206,31 @@ def test_a_prompt_continued_in_chunks_through_a_cache_with_room_equals_one_prefi
         assert err <= 1e-6, kind  # measured 1.9e-7 (growing and static); gate 5x
 
 
+@torch.no_grad()
+def test_a_chunk_wider_than_one_step_may_hold_goes_in_narrower_steps(model_fp32, ids, monkeypatch):
+    # a multi-token step's attention slots grow with the square of its width: a chunk whose step would pass
+    # MULTI_TOKEN_STEP_BYTES goes in steps of the widest width under it, with the one-prefill result
+    import deepseek_v41.modeling_deepseek_v41 as modeling
+
+    chunk, text = 16, model_fp32.config.text_config
+    k = text.index_topk if any(text.compress_ratios) else 0
+    per_slot = 6 * text.head_dim + 4 * text.num_attention_heads
+    ring, batch = text.sliding_window + chunk - 1, ids.shape[0]
+    monkeypatch.setattr(modeling, "MULTI_TOKEN_STEP_BYTES", batch * 5 * (ring + 5 * k) * per_slot)  # width 5 fits
+    assert modeling.widest_step(text, batch, ring, chunk) == 5 and modeling.widest_step(text, batch, ring, 3) == 3
+    full = model_fp32(ids, logits_to_keep=1).logits
+    cache = new_cache(model_fp32, "static", spare=chunk - 1)
+    widths = []
+    for start in range(0, ids.shape[1], chunk):
+        part = ids[:, start : start + chunk]
+        if start:
+            widths.append(model_fp32.decode_widths(cache, part.shape[1]))
+        out = model_fp32(part, cache=cache, logits_to_keep=1)
+    assert widths[0] == [5, 5, 5, 1]
+    err = ((out.logits - full).norm() / full.norm()).item()
+    assert err <= 1e-6  # as the chunks of 16 above (measured 1.9e-7)
+
+
 @pytest.fixture(scope="module")
 def dspark_model():
     return load(DSPARK_FIXTURE, torch.float32)

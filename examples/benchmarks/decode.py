@@ -10,7 +10,9 @@ GPU: the 4-layer released-width proxy of ``train_step.py`` (random weights, bf16
 attention when tilelang is installed, else torch), at each ``--contexts`` length and ``--batches`` size: the
 prefill of one row (with TileLang timed after an untimed one of the same shape, which builds its kernels; a batch
 repeats its rows: a decode step's time does not depend on what the rows hold; ``--prefill-chunk``: the prompt in
-forwards of that many tokens through the cache, as a long prompt goes where one forward does not fit), then per
+forwards of that many tokens through the cache, as a long prompt goes where one forward does not fit: each chunk
+after the first runs as multi-token decode steps, as wide as ``MULTI_TOKEN_STEP_BYTES`` lets them be (their
+attention slots grow with the square of the width): exact, but at decode speed, not a prefill's), then per
 decode mode (``--modes``; ``off``: the eager step over the static cache, ``cuda_graph``: the same step captured once
 and replayed, ``compile``: torch.compile's kernels captured the same way) the milliseconds per token (mean over
 ``--steps`` steps, after the capture and ``--warmup`` steps), tokens/s, kernels per step and the GPU-busy share of
@@ -128,8 +130,9 @@ def build_model(args, device):
 
 def prefill(model, ids, cache, chunk: int = 0):
     """The prompt ids [b, T] into the cache in one forward, or (``chunk``) in forwards of ``chunk`` tokens through
-    the cache, each one multi-token step (the cache keeps chunk - 1 spare positions: ``new_cache``), run eagerly
-    -> the last forward's output (logits of the last position)."""
+    the cache, each in multi-token steps (the cache keeps chunk - 1 spare positions: ``new_cache``; a step at most
+    as wide as ``MULTI_TOKEN_STEP_BYTES`` allows), run eagerly -> the last forward's output (logits of the last
+    position)."""
     chunk, mode = chunk or ids.shape[1], model.decode_graph
     model.decode_graph = "off"  # a chunk is not a step worth a graph of its own
     try:
