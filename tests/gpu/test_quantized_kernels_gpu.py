@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gpu_metrics import rel_err
+from gpu_metrics import gate, rel_err
 
 from deepseek_v41 import kernels_quantized as kq
 from deepseek_v41.moe import RoutedExperts, weighted_swiglu
@@ -31,11 +31,17 @@ pytestmark = [
     ),
 ]
 
-# fp32 output vs the fp64 reference on the same FP8 operands.  Not yet measured on a GPU (the Triton interpreter,
-# fp64-exact, gives 1e-9..2e-8).  Expected: ~1e-7 for the bf16 MMA (exact products, fp32 sums), up to ~1e-5 for
-# the FP8 MMA (Hopper adds a 32-deep FP8 block with ~14-bit alignment, DeepSeek-V3 report §3.3.2); gate 1e-4 until
-# the first GPU run states the measured figures and the multiple
-FP32_FLOOR = 1e-4
+# fp32 output vs the fp64 reference on the same FP8 operands, per product kind (H100, 2026-12-07,
+# results/gate_table_h100.txt): the FP8 MMA 2.0e-5..4.6e-5 (Hopper adds a 32-deep FP8 block with ~14-bit alignment,
+# DeepSeek-V3 report section 3.3.2); everything else (bf16 MMA on decoded tiles, fp32 FMAs, the GEMV kernel, the
+# transient-decode prefill path) 0 to 5.1e-7 (exact products, fp32 sums).  Gates ~2x and ~5x.
+FP32_FLOOR = {"fp8_mma": 1e-4, "exact_products": 2.5e-6}
+
+
+def fp32_floor(config) -> float:
+    return FP32_FLOOR["fp8_mma" if config is not None and config[6] == 0 else "exact_products"]
+
+
 # one bf16 rounding of the output: 1.66e-3 (L2, relative) for Gaussian values; gate 1.2x
 BF16_ROUNDING = 2.0e-3
 
@@ -112,7 +118,7 @@ def test_fp8_linear_against_fp64_on_the_same_fp8_operands(m, n, k, config):
     err32, err16 = rel_err(out32, ref), rel_err(out.view(m, n), ref)
     print(f"fp8_linear {m}x{n}x{k}: fp32 out {err32:.2e}, bf16 out {err16:.2e}")
     assert out.shape == (m, 1, n) and out.dtype == torch.bfloat16
-    assert err32 < FP32_FLOOR
+    gate("fp32_out_vs_fp64", err32, fp32_floor(config))
     assert err16 < BF16_ROUNDING
     # F32 scales (older releases) give the same result
     assert torch.equal(kq.fp8_linear(x, wq, ws.float(), out_dtype=torch.float32, config=config), out32)
@@ -207,7 +213,8 @@ def test_fp4_grouped_gemm_against_fp64(n, k, config):
                      for e, r in enumerate(rows.split(COUNTS))])
     err32, err16 = rel_err(out32, ref), rel_err(out, ref)
     print(f"fp4_grouped_gemm {n}x{k} {config}: fp32 out {err32:.2e}, bf16 out {err16:.2e}")
-    assert err32 < FP32_FLOOR and err16 < BF16_ROUNDING
+    gate("fp32_out_vs_fp64", err32, fp32_floor(config))
+    assert err16 < BF16_ROUNDING
     assert torch.equal(kq.fp4_grouped_gemm(a, a_scale, codes, scales.float(), counts, out_dtype=torch.float32,
                                            config=config), out32)
 
