@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 from conftest import DSPARK_FIXTURE, golden_dir, tiny_model
+from gpu_metrics import gate
 from test_decode_graph_gpu import left_padded
 
 from deepseek_v41.cache_deepseek_v41 import DeepseekV41StaticCache
@@ -75,7 +76,8 @@ def test_multi_token_graph_equals_eager_and_columns(model):
             assert torch.equal(tensor, theirs.tensors()[name]), name
     eager, columns = torch.cat(eager_logits, 1).flatten(0, 1), torch.cat(column_logits, 1).flatten(0, 1)
     assert torch.equal(eager.argmax(-1), columns.argmax(-1))
-    assert logits_metrics(columns.float(), eager.float())["mean_kl"] <= 1e-4  # test_static_cache's bf16 gate
+    # test_static_cache's bf16 gate; its GATE line gives the measured value for gate_table.py
+    gate("mean_kl_columns_vs_one_step", logits_metrics(columns.float(), eager.float())["mean_kl"], 1e-4, inclusive=True)
 
 
 @torch.no_grad()
