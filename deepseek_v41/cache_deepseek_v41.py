@@ -194,12 +194,30 @@ class StaticCSA2LayerCache(CSA2LayerCache):
             getattr(self, name)[:, :T].copy_(value)
 
 
+# A multi-token decode step's attention gathers, for each of its b·n queries, the window ring's R slots and the
+# n·k compressed entries the step picked (sparse_attention_torch: [b, n, R + n·k, head_dim] rows, bf16 then fp32,
+# and [b, n, heads, R + n·k] fp32 logits): quadratic in n.  A wider forward over a cache (a long prompt continued
+# through it) goes in steps of the widest n under this many bytes: exact, as every step is.
+MULTI_TOKEN_STEP_BYTES = 8 << 30
+
+
+def widest_step(text_config, batch: int, ring: int, cap: int) -> int:
+    """The most new tokens per row (at most ``cap``, at least 1) one multi-token step over a cache of ``ring``
+    window slots takes within ``MULTI_TOKEN_STEP_BYTES`` at this batch."""
+    k = text_config.index_topk if any(text_config.compress_ratios) else 0
+    per_slot = 6 * text_config.head_dim + 4 * text_config.num_attention_heads  # bytes per (query, slot)
+    n = 1
+    while n < cap and batch * (n + 1) * (ring + (n + 1) * k) * per_slot <= MULTI_TOKEN_STEP_BYTES:
+        n += 1
+    return n
+
+
 class DeepseekV41Cache(Cache):
     """A transformers ``Cache`` for DeepSeek-V4.1 (CSA2 attention, Engram): ``use_cache=True`` returns one,
     ``past_key_values=`` / ``cache=`` takes it back; ``generate`` reorders and repeats it for beam search.
 
-    A decode step takes one token per row, or n <= ``rollback_tokens`` + 1 (a multi-token step: a speculative
-    block verified in one pass; ``decodes_at_once``); wider inputs are decoded one column after the other.
+    A decode step takes one token per row, or up to ``step_width()`` (a multi-token step: a speculative block
+    verified in one pass); wider inputs are decoded in steps of that width.
     ``rollback_tokens``: how many of its last positions per row it can forget (``rollback``, ``crop``)."""
 
     # generate's auto-compile (torch.compile of the whole forward, prefill included) stays off: the model captures
@@ -263,11 +281,14 @@ class DeepseekV41Cache(Cache):
         """Entries the step's group-completion writes need room for (None: preallocated)."""
         return max((n + new - 1) // ratio for n in self.lengths_host) + 1
 
-    def decodes_at_once(self, new: int) -> bool:
-        """Whether a step can take ``new`` tokens per row in one pass (a multi-token step): its rings keep
-        ``rollback_tokens`` positions beyond what one token reads, and the step's first token still needs the
-        positions that its last n - 1 tokens overwrite in a ring of fewer spare slots."""
-        return new <= self.rollback_tokens + 1
+    def step_width(self) -> int:
+        """The most tokens per row one step takes in one pass (a multi-token step): rollback_tokens + 1, as its
+        rings keep ``rollback_tokens`` positions beyond what one token reads and the step's first token still needs
+        the positions that its last n - 1 tokens overwrite in a ring of fewer spare slots; and no wider than
+        ``MULTI_TOKEN_STEP_BYTES`` of attention slots at this batch."""
+        text = self.text_config
+        return widest_step(text, max(self.batch_size, 1), text.sliding_window + self.rollback_tokens,
+                           self.rollback_tokens + 1)
 
     def advance(self, input_ids: torch.Tensor) -> None:
         """After a decode step of one text token per row (input_ids [b, 1])."""

@@ -50,22 +50,6 @@ IGNORE_INDEX = -100  # a label that counts for nothing (padding, prompt tokens)
 # prepare_inputs_for_generation marks generate's decode steps with this keyword: their token and mask come from
 # generate itself, so forward leaves out the value checks (and their host sync)
 GENERATE_DECODE_STEP = "_generate_decode_step"
-# A multi-token decode step's attention gathers, for each of its b·n queries, the window ring's R slots and the
-# n·k compressed entries the step picked (sparse_attention_torch: [b, n, R + n·k, head_dim] rows, bf16 then fp32,
-# and [b, n, heads, R + n·k] fp32 logits): quadratic in n.  A wider forward over a cache (a long prompt continued
-# through it) goes in steps of the widest n under this many bytes: exact, as every step is.
-MULTI_TOKEN_STEP_BYTES = 8 << 30
-
-
-def widest_step(text_config, batch: int, ring: int, cap: int) -> int:
-    """The most new tokens per row (at most ``cap``, at least 1) one multi-token step over a cache of ``ring``
-    window slots takes within ``MULTI_TOKEN_STEP_BYTES`` at this batch."""
-    k = text_config.index_topk if any(text_config.compress_ratios) else 0
-    per_slot = 6 * text_config.head_dim + 4 * text_config.num_attention_heads  # bytes per (query, slot)
-    n = 1
-    while n < cap and batch * (n + 1) * (ring + (n + 1) * k) * per_slot <= MULTI_TOKEN_STEP_BYTES:
-        n += 1
-    return n
 
 # What an exported folder's config.json maps the Auto classes to (the flat remote-code files). The causal LM is also
 # the image-text-to-text model (it embeds images itself), as the package registers it locally.
@@ -547,18 +531,14 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return tuple(self.config.text_config.dspark_target_layer_ids)
 
     # Whether a decode forward of several new columns per row (a speculative block's verification) runs them as one
-    # multi-token step (True, where the cache's rings have room: ``decodes_at_once``) or one column at a time
+    # multi-token step (True, where the cache's rings have room: ``step_width``) or one column at a time
     decode_at_once = True
 
     def decode_widths(self, cache: DeepseekV41Cache, columns: int) -> list:
         """How a decode forward of ``columns`` new columns per row is split into steps: steps of as many columns
-        as the cache can take at once (``rollback_tokens`` + 1: a prompt continued in chunks goes a chunk per
-        step when its cache has that room), else one per column."""
-        width = cache.rollback_tokens + 1 if self.decode_at_once else 1
-        if width > 1:  # the memory of one step bounds it too (MULTI_TOKEN_STEP_BYTES)
-            text = self.config.text_config if hasattr(self.config, "text_config") else self.config
-            batch = max(cache.batch_size, 1)
-            width = widest_step(text, batch, text.sliding_window + cache.rollback_tokens, width)
+        as the cache can take at once (``cache.step_width()``: a prompt continued in chunks goes a chunk per step
+        when its cache has that room and the step's attention slots fit), else one per column."""
+        width = cache.step_width() if self.decode_at_once else 1
         if 1 < columns <= width:
             return [columns]
         return [width] * (columns // width) + ([columns % width] if columns % width else [])

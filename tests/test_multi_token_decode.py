@@ -210,14 +210,14 @@ def test_a_prompt_continued_in_chunks_through_a_cache_with_room_equals_one_prefi
 def test_a_chunk_wider_than_one_step_may_hold_goes_in_narrower_steps(model_fp32, ids, monkeypatch):
     # a multi-token step's attention slots grow with the square of its width: a chunk whose step would pass
     # MULTI_TOKEN_STEP_BYTES goes in steps of the widest width under it, with the one-prefill result
-    import deepseek_v41.modeling_deepseek_v41 as modeling
+    import deepseek_v41.cache_deepseek_v41 as cache_module
 
     chunk, text = 16, model_fp32.config.text_config
     k = text.index_topk if any(text.compress_ratios) else 0
     per_slot = 6 * text.head_dim + 4 * text.num_attention_heads
     ring, batch = text.sliding_window + chunk - 1, ids.shape[0]
-    monkeypatch.setattr(modeling, "MULTI_TOKEN_STEP_BYTES", batch * 5 * (ring + 5 * k) * per_slot)  # width 5 fits
-    assert modeling.widest_step(text, batch, ring, chunk) == 5 and modeling.widest_step(text, batch, ring, 3) == 3
+    monkeypatch.setattr(cache_module, "MULTI_TOKEN_STEP_BYTES", batch * 5 * (ring + 5 * k) * per_slot)  # width 5 fits
+    assert cache_module.widest_step(text, batch, ring, chunk) == 5 and cache_module.widest_step(text, batch, ring, 3) == 3
     full = model_fp32(ids, logits_to_keep=1).logits
     cache = new_cache(model_fp32, "static", spare=chunk - 1)
     widths = []
