@@ -429,22 +429,23 @@ if triton is not None:
 
 
     @triton.jit
-    def _fp4_decode_kernel(c_ptr, s_ptr, out_ptr, R, K, stride_sr, BS_E8M0: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-        # packed E2M1 rows [R, K/2] (low nibble = even k) with per-32 scales [R, ceil(K/32)] -> bf16 [R, K]
+    def _fp4_decode_kernel(c_ptr, s_ptr, out_ptr, R, H, stride_sr, BS_E8M0: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+        # packed E2M1 rows [R, H] bytes (low nibble = even k) with per-32 scales [R, ceil(2H/32)] -> the bf16 pairs
+        # of each byte as one int32 (out [R, 2H] bf16 viewed as int32 [R, H]; the low half is the even k): one
+        # load, one scale (a byte's two values share it) and one 4-byte store per byte, no interleaving shuffle
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        half = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        live = (rows[:, None] < R) & (2 * half[None, :] < K)
-        packed = tl.load(c_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :], mask=live, other=0)
-        packed = packed.to(tl.int32)
-        values = tl.reshape(tl.join(_e2m1_to_f32_scaled(packed), _e2m1_to_f32_scaled(packed >> 4)),
-                            (BLOCK_R, BLOCK_K)) * 8.507059173023462e37  # 2^126
-        k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        out_live = (rows[:, None] < R) & (k[None, :] < K)
-        s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sr + k[None, :] // 32, mask=out_live, other=0)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        live = (rows[:, None] < R) & (cols[None, :] < H)
+        rows = rows[:, None].to(tl.int64)
+        packed = tl.load(c_ptr + rows * H + cols[None, :], mask=live, other=0).to(tl.int32)
+        s = tl.load(s_ptr + rows * stride_sr + cols[None, :] // 16, mask=live, other=0)
         if BS_E8M0:
             s = _e8m0_to_f32(s)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k[None, :], (values * s).to(tl.bfloat16), mask=out_live)
+        lo = (_e2m1_to_f32_scaled(packed) * 8.507059173023462e37 * s).to(tl.bfloat16)  # 2^126 restores the value
+        hi = (_e2m1_to_f32_scaled(packed >> 4) * 8.507059173023462e37 * s).to(tl.bfloat16)
+        pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+        tl.store(out_ptr + rows * H + cols[None, :], pair, mask=live)
 
 
 # (BLOCK_M, BLOCK_N, SUB, num_warps, num_stages, SPLIT_K, MMA) per workload and rows per weight ("gemv": one row,
@@ -479,7 +480,7 @@ CONFIGS = {
     "swiglu_prefill": (128, 64, 2, 4, 3, 1, 2),
 }
 GEMV_ROWS = 8  # the largest BLOCK_M an MMA 3 or 4 configuration takes
-# From this many rows on, fp8_linear decodes the weight to bf16 (a transient [N, K], freed after the call) and
+# From this many rows on, fp8_linear (and fp8_block_diagonal_linear) decodes the weight to bf16 (a transient [N, K], freed after the call) and
 # multiplies the quantized activations' bf16 values with cuBLAS: the same exact products, summed in fp32, at the bf16
 # GEMM's speed, which the register-decoding Triton kernels reach only 0.3-0.5x of (quantized_gemm.py).
 DECODED_GEMM_ROWS = 1024
@@ -488,6 +489,8 @@ DECODED_GEMM_ROWS = 1024
 # expert costs about as much as 100-200 rows of its GEMMs; the FP4 kernels run at 0.38x the bf16 grouped GEMM.
 DECODED_EXPERT_ROWS = 256
 EXPERT_SCRATCH_BYTES = 2 << 30
+# (BLOCK_R, BLOCK_H packed bytes, num_warps) of the FP4 decode kernel
+FP4_DECODE_CONFIG = (16, 256, 4)
 
 
 def config_tier(rows: int) -> str:
@@ -661,9 +664,10 @@ def decode_fp4_weights(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     out = torch.empty(*codes.shape[:-1], k, dtype=torch.bfloat16, device=codes.device)
     rows = c.numel() // max(c.shape[-1], 1)
     if rows and k:
-        grid = (triton.cdiv(rows, 32), triton.cdiv(k, 256))
-        _fp4_decode_kernel[grid](c, s, out, rows, k, s.shape[-1], BS_E8M0=e8m0, BLOCK_R=32, BLOCK_K=256,
-                                 num_warps=4)
+        block_r, block_h, warps = FP4_DECODE_CONFIG
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(k // 2, block_h))
+        _fp4_decode_kernel[grid](c, s, out.view(torch.int32), rows, k // 2, s.shape[-1], BS_E8M0=e8m0,
+                                 BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps)
     return out
 
 
@@ -710,6 +714,9 @@ def fp8_block_diagonal_linear(o: torch.Tensor, weight: torch.Tensor, scale: torc
     _check_usable(o, "fp8_block_diagonal_linear")
     if not n:
         return o.new_empty(0, groups * r)
+    if config is None and n >= DECODED_GEMM_ROWS:  # prefill: decoded to bf16 (transient), one batched cuBLAS GEMM
+        w = _decode_fp8(weight, b_scale, e8m0).view(groups, r, d)
+        return torch.bmm(o.to(torch.bfloat16).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(n, -1)
     config = _config("grouped", n, config)
     if not config[6]:
         raise ValueError("fp8_block_diagonal_linear multiplies bf16 activations: it needs a bf16 MMA or FMA "

@@ -5,6 +5,7 @@
     python examples/benchmarks/quantized_gemm.py --sweep               # time the kernel configurations
     python examples/benchmarks/quantized_gemm.py --ptxas               # no GPU: compile them for sm_90, report
     python examples/benchmarks/quantized_gemm.py --decode-sweep        # decode sizes, replayed from CUDA graphs
+    python examples/benchmarks/quantized_gemm.py --weight-decode       # prefill's FP4 / FP8 decodes to bf16
 
 Dense: the released FP8 linears' shapes (architecture.md §12) at prefill (``--tokens``) and decode (``--decode``)
 row counts.  ``fp8_linear`` (activation quantization + block-scaled FP8 GEMM) and its GEMM alone (activations
@@ -303,11 +304,13 @@ def sweep(args):
 # 0.2-1.7 ms per call (wq_a: 14x MMA 1/2), which spent the sweep's time before it reached the experts.
 DECODE_SWEEP = {
     "dense": [(64, 64, 2, 4, 6, 0, 1), (16, 64, 4, 4, 3, 0, 2), (32, 64, 4, 4, 4, 0, 2), (0, 16, 8, 4, 2, 0, 4),
-              (0, 32, 8, 4, 2, 0, 4), (0, 32, 4, 4, 3, 0, 4), (0, 64, 4, 8, 2, 0, 4), (0, 16, 16, 8, 2, 0, 4)],
+              (0, 32, 8, 4, 2, 0, 4), (0, 32, 4, 4, 3, 0, 4), (0, 64, 4, 8, 2, 0, 4), (0, 16, 16, 8, 2, 0, 4),
+              # the FP8 MMA (MMA 0): the stored codes unconverted, one fp32 promotion per 32-block and tile
+              (16, 64, 4, 4, 3, 0, 0), (32, 64, 4, 4, 4, 0, 0), (64, 64, 4, 4, 4, 0, 0), (32, 128, 2, 4, 4, 0, 0)],
     "grouped": [(64, 64, 2, 4, 6, 1, 1), (16, 64, 4, 4, 3, 1, 2), (0, 16, 8, 4, 2, 1, 4), (0, 32, 8, 4, 2, 1, 4),
-                (0, 32, 4, 4, 3, 1, 4), (0, 64, 4, 8, 2, 1, 4), (0, 16, 16, 8, 2, 1, 4)],
+                (0, 32, 4, 4, 3, 1, 4), (0, 64, 4, 8, 2, 1, 4), (0, 16, 16, 8, 2, 1, 4), (16, 64, 4, 4, 3, 1, 0)],
     "swiglu": [(64, 32, 2, 4, 6, 1, 1), (16, 32, 4, 4, 3, 1, 2), (0, 16, 8, 4, 2, 1, 4), (0, 32, 8, 4, 2, 1, 4),
-               (0, 16, 4, 4, 3, 1, 4), (0, 32, 4, 8, 2, 1, 4), (0, 16, 16, 8, 2, 1, 4)],
+               (0, 16, 4, 4, 3, 1, 4), (0, 32, 4, 8, 2, 1, 4), (0, 16, 16, 8, 2, 1, 4), (16, 32, 4, 4, 3, 1, 0)],
 }
 WO_A = (16, 1024, 4096)  # released wo_a: 16 groups of 4096 inputs -> 1024 outputs each
 
@@ -344,7 +347,7 @@ def decode_sweep(args):
         label = f"wo_a M={m} {groups}x{r}x{d}"
         row("wo_a", label + " bf16", None, graph_time_us(partial(torch.bmm, o.transpose(0, 1), wb.transpose(1, 2))),
             2 * groups * r * d)
-        for config in DECODE_SWEEP["grouped"]:
+        for config in [c for c in DECODE_SWEEP["grouped"] if c[6]]:  # bf16 activations: no FP8 MMA
             fn = partial(kq.fp8_block_diagonal_linear, o, wq, ws, config=config)
             fn()
             row("wo_a", label, config, graph_time_us(fn), groups * r * d, m)
@@ -381,6 +384,43 @@ def decode_sweep(args):
     best = {kind: min(times, key=times.get) for kind, times in total.items()}
     lines.append(f"# fastest (summed over the cases): {best}")
     return lines, best
+
+
+FP4_DECODE_CANDIDATES = [(16, 256, 4), (8, 512, 4), (32, 256, 8), (4, 1024, 4), (16, 512, 8), (64, 128, 8)]
+
+
+def weight_decode(args):
+    """The transient bf16 decodes of prefill (``decode_fp4_weights`` per expert chunk, ``decode_fp8_weight`` per
+    dense linear at DECODED_GEMM_ROWS rows and more): each FP4 kernel configuration against a bf16 device copy of
+    the decoded tensor (the same bytes written, four times the bytes read), bit-equal to the reference decode."""
+    E, D, I = args.experts, args.hidden, args.inter
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lines = [f"## weight decode to bf16 (GB/s = bytes read + written / time; bf16 copy = a device copy of the output)"]
+    default = kq.FP4_DECODE_CONFIG
+    for name, n, k in [("experts w1/w3", I, D), ("experts w2", D, I)]:
+        codes = torch.randint(0, 256, (E, n, k // 2), device="cuda", dtype=torch.uint8, generator=gen)
+        scales = torch.randint(120, 130, (E, n, k // 32), device="cuda", dtype=torch.uint8, generator=gen)
+        scales = scales.view(torch.float8_e8m0fnu)
+        ref = torch.stack([decode_fp4_packed(codes[e], scales[e]) for e in range(E)]).bfloat16()
+        moved = codes.numel() + scales.numel() + 2 * ref.numel()
+        copy_ms = time_ms(lambda: ref.clone(), args.warmup, args.reps)
+        lines.append(f"{name} [{E}, {n}, {k}]: bf16 copy {copy_ms * 1e3:8.1f} us {4 * ref.numel() / copy_ms / 1e6:7.0f} GB/s")
+        for config in FP4_DECODE_CANDIDATES:
+            kq.FP4_DECODE_CONFIG = config
+            equal = torch.equal(kq.decode_fp4_weights(codes, scales), ref)
+            ms = time_ms(lambda: kq.decode_fp4_weights(codes, scales), args.warmup, args.reps)
+            lines.append(f"  fp4 decode {config}: {ms * 1e3:8.1f} us {moved / ms / 1e6:7.0f} GB/s "
+                         f"({copy_ms / ms:.2f}x the copy){'' if equal else '  NOT EQUAL to the reference'}")
+        kq.FP4_DECODE_CONFIG = default
+    for name, n, k in DENSE:
+        wq, ws = encode_fp8_blockwise(torch.randn(n, k, device="cuda", generator=gen))
+        ref = decode_fp8_blockwise(wq, ws, dtype=torch.bfloat16)
+        equal = torch.equal(kq.decode_fp8_weight(wq, ws), ref)
+        ms = time_ms(lambda: kq.decode_fp8_weight(wq, ws), args.warmup, args.reps)
+        copy_ms = time_ms(lambda: ref.clone(), args.warmup, args.reps)
+        lines.append(f"{name} fp8 decode [{n}, {k}]: {ms * 1e3:7.1f} us {(3 * wq.numel()) / ms / 1e6:6.0f} GB/s "
+                     f"(bf16 copy {copy_ms * 1e3:.1f} us){'' if equal else '  NOT EQUAL to the reference'}")
+    return lines
 
 
 def compile_sm90(fn, sig, constexprs, aligned, warps, stages, mma=True):
@@ -521,6 +561,7 @@ def main():
     ap.add_argument("--official", type=Path, help="folder holding the official TileLang kernel.py")
     ap.add_argument("--sweep", action="store_true", help="only time the kernel configurations")
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode-size GEMMs, from CUDA graphs")
+    ap.add_argument("--weight-decode", action="store_true", help="only the FP4 / FP8 weight decodes to bf16")
     ap.add_argument("--tune", action="store_true", help="time the configurations, then benchmark the fastest")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: dense, experts")
     ap.add_argument("--ptxas", action="store_true", help="no GPU: compile the configurations for sm_90, report")
@@ -534,6 +575,9 @@ def main():
     torch.manual_seed(0)
     head = f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; median of {args.reps} after {args.warmup}"
     lines = [head]
+    if args.weight_decode:
+        report("\n".join(lines + weight_decode(args)), args.out)
+        return
     if args.decode_sweep:
         lines += decode_sweep(args)[0]
         report("\n".join(lines), args.out)

@@ -137,6 +137,7 @@ def test_fp8_linear_against_fp64_on_the_same_fp8_operands(m, n, k, config):
     (5, 8, 512, 128, None),
     (300, 4, 320, 96, None),  # prefill-like, ragged K
     (300, 4, 320, 96, SWAP_MMA),
+    pytest.param(1100, 4, 320, 96, None, id="prefill-decoded"),  # DECODED_GEMM_ROWS: bf16 decode + torch.bmm
     (2, 16, 4096, 1024, None),  # released wo_a: 16 groups of 4096 -> 1024
 ])
 def test_fp8_block_diagonal_linear_multiplies_bf16_activations(n, groups, d, r, config):
@@ -165,10 +166,17 @@ def test_decode_fp8_weight_is_the_reference_decode():
 
 def test_decode_fp4_weights_is_the_reference_decode():
     gen = torch.Generator(device="cuda").manual_seed(4)
-    codes, scales = fp4_experts(3, 40, 330, gen)  # K/32 ragged
+    codes, scales = fp4_experts(3, 40, 330, gen)  # K/32 ragged, 165 bytes per row
     ref = torch.stack([decode_fp4_packed(codes[e], scales[e]) for e in range(3)]).bfloat16()
     assert torch.equal(kq.decode_fp4_weights(codes, scales), ref)
     assert torch.equal(kq.decode_fp4_weights(codes, scales.float()), ref)
+    default = kq.FP4_DECODE_CONFIG
+    try:  # tiles ragged in rows (120 = 7.5 x 16) and bytes (165 against 64 to 512)
+        for config in [(8, 64, 2), (64, 128, 8), (4, 512, 4)]:
+            kq.FP4_DECODE_CONFIG = config
+            assert torch.equal(kq.decode_fp4_weights(codes, scales), ref), config
+    finally:
+        kq.FP4_DECODE_CONFIG = default
 
 
 def test_fp8_linear_without_rows_and_with_bad_input():
