@@ -459,7 +459,9 @@ if triton is not None:
 # (MMA 4) for dense, wo_a and the experts: at one row per weight it is 1.15-1.6x the best bf16-MMA configuration on
 # every released shape (experts, one token: 128 vs 221 us on an H100).  Its fp32 FMAs grow with the rows while the
 # MMAs do not, so from two rows on the MMAs take over: at six rows per expert (32 tokens over 32 experts) MMA 2 with
-# 16-row tiles is 3x MMA 4 (783 vs 2,297 us) and 1.5x MMA 1 (1,159 us); dense at 32 rows: MMA 2 (32x64) fastest.
+# 16-row tiles is 3x MMA 4 (783 vs 2,297 us) and 1.5x MMA 1 (1,159 us).  Dense at 32 rows: the FP8 MMA (MMA 0) at
+# 32x128 is fastest on all seven shapes, 1.02-1.16x MMA 2 at 32x64 (wq_b 29.0 vs 33.6 us, H100): it reads the stored
+# codes as the MMA operand, with no decode to bf16 in registers, and promotes its 32x128 partial once per 32-block.
 # MMA 3 is not a default: 1.5-3.8x slower than MMA 4 at one row (H200) and, at 32 tokens, 12x the kept proxy's
 # GEMM time per step (H100, results/kept_proxy_h100.txt).
 CONFIGS = {
@@ -469,7 +471,7 @@ CONFIGS = {
     "dense_small": (16, 64, 4, 4, 3, 0, 2),
     "grouped_small": (16, 64, 4, 4, 3, 1, 2),
     "swiglu_small": (16, 32, 4, 4, 3, 1, 2),
-    "dense_decode": (32, 64, 4, 4, 4, 0, 2),
+    "dense_decode": (32, 128, 2, 4, 4, 0, 0),
     "dense_medium": (128, 128, 2, 8, 3, 1, 2),
     "dense_prefill": (256, 128, 2, 8, 3, 1, 2),
     "grouped_decode": (64, 64, 2, 4, 6, 1, 1),
