@@ -50,9 +50,10 @@ def test_rope_gradients_on_cuda_match_the_cpu():
         y.backward(dy.to(device))
         results.append((y.detach().cpu().clone(), layer.weight.grad.cpu().clone()))  # .to() moves grads in place
     (y_cpu, gw_cpu), (y_gpu, gw_gpu) = results
-    # the linear's GEMMs round differently on the two devices; the rotations themselves are exact
-    gate("y_gpu_vs_cpu", rel_err(y_gpu, y_cpu), 1e-2)
-    gate("grad_w_gpu_vs_cpu", rel_err(gw_gpu, gw_cpu), 1e-2)
+    # measured 0.0 on an H100 (2026-12-07): the rotations are exact; the gates leave one bf16 rounding (2^-8) for
+    # the linear's GEMMs, which another GPU or CPU library may sum in another order; a wrong rotation is O(1)
+    gate("y_gpu_vs_cpu", rel_err(y_gpu, y_cpu), 4e-3)
+    gate("grad_w_gpu_vs_cpu", rel_err(gw_gpu, gw_cpu), 4e-3)
 
 
 @pytest.mark.parametrize("rows,dim", [(4096, 5120), (1000, 1280), (777, 512), (64, 128)])
@@ -104,7 +105,7 @@ def test_fused_cross_entropy_kernels_match_eager(with_logits_grad):
     lse, total = cross_entropy_rows_triton(logits, targets)
     lse64 = torch.logsumexp(logits.double(), -1)
     picked = logits.double().gather(1, targets.clamp(min=0)[:, None])[:, 0]
-    gate("lse_vs_fp64", rel_err(lse, lse64), 1e-6)
+    gate("lse_vs_fp64", rel_err(lse, lse64), 1.5e-7)  # fp32 rounding: measured 2.7e-8 (H100, 2026-12-07), ~5.5x
     assert abs(total.item() - torch.where(targets >= 0, lse64 - picked, 0).sum().item()) < 1e-4 * total.item()
 
     grad_loss = torch.tensor(0.01, device="cuda")
@@ -165,7 +166,9 @@ def test_weighted_swiglu_kernels_match_eager_autograd(limit):
     assert out.dtype == torch.bfloat16 and [t.dtype for t in grads] == [torch.bfloat16, torch.bfloat16, torch.float32]
     gate("out_vs_fp64", rel_err(out, ref), 4e-3)  # one bf16 rounding
     for name, grad, ref_grad in zip(("d_gate", "d_up", "d_weights"), grads, ref_grads):
-        gate(f"{name}_vs_fp64", rel_err(grad, ref_grad), 4e-3 if grad.dtype == torch.bfloat16 else 1e-5)
+        # bf16 gradients: one bf16 rounding (measured 1.66e-3, H100 2026-12-07), 2.4x; the fp32 routing-weight
+        # gradient: a sum in fp32 (measured 1.06e-7), ~5x
+        gate(f"{name}_vs_fp64", rel_err(grad, ref_grad), 4e-3 if grad.dtype == torch.bfloat16 else 5e-7)
     if limit:  # the clamps took effect on both inputs, and their gradients are zero where they did
         assert (gate_in > limit).any() and (up.abs() > limit).any()
         assert (grads[0][gate_in > limit] == 0).all() and (grads[1][up.abs() > limit] == 0).all()
