@@ -41,8 +41,10 @@ def test_emulated_fp32_linear_on_tensor_cores(w_dtype):
     errs = rel_err(y, x64 @ w64.t()), rel_err(gw, dy64.t() @ x64), rel_err(gx, (dy64 @ w64).bfloat16())
     print(f"fp32_linear bf16x3 rel err ({w_dtype}): y {errs[0]:.2e}, grad_w {errs[1]:.2e}, grad_x {errs[2]:.2e}")
     assert y.dtype == torch.float32 and gx.dtype == torch.bfloat16 and gw.dtype == w_dtype
-    assert errs[0] < 5e-5 and errs[2] < 1e-3
-    assert errs[1] < (5e-5 if w_dtype == torch.float32 else 4e-3)  # a bf16 weight's gradient is rounded to bf16
+    # measured on an H200 (results/gpu_tests_h200.txt): y 6.1e-6 / 5.6e-6, grad_x 1.4e-4 / 1.0e-4 (fp32 / bf16 W),
+    # grad_w 3.2e-6 (fp32 W) and 1.66e-3 (bf16 W: its gradient is rounded to bf16); gates ~5x, bf16 rounding 2.4x
+    assert errs[0] < 3e-5 and errs[2] < 7e-4
+    assert errs[1] < (1.6e-5 if w_dtype == torch.float32 else 4e-3)
 
 
 def test_bf16x3_head_matmul_on_tensor_cores():
@@ -72,7 +74,8 @@ def test_bf16x3_head_forward_and_gradients_on_tensor_cores():
     errs = rel_err(y, x64 @ w64.t()), rel_err(w.grad, dy64.t() @ x64), rel_err(x.grad, (dy64 @ w64).bfloat16())
     print(f"bf16x3 head rel err: logits {errs[0]:.2e}, grad_w {errs[1]:.2e}, grad_x vs rounded exact {errs[2]:.2e}")
     assert y.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
-    assert errs[0] < 5e-5 and errs[1] < 5e-5 and errs[2] < 1e-3  # fp32 accumulation on Hopper: see above
+    # measured on an H200 (results/gpu_tests_h200.txt): logits 6.6e-6, grad_w 2.9e-6, grad_x 2.2e-4; gates ~5x
+    assert errs[0] < 3.3e-5 and errs[1] < 1.5e-5 and errs[2] < 1e-3
 
 
 def test_fused_functions_trace_into_an_outer_compile():
