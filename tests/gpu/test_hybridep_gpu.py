@@ -100,9 +100,12 @@ def test_hybridep_matches_all_to_all_and_local(group):
             y_ref, dx_ref, grads_ref = results[ref]
             errs = {"out": rel_err(y, y_ref), "x": rel_err(dx, dx_ref)}
             errs.update({name: rel_err(g, grads_ref[name]) for name, g in grads.items()})
+            # measured on an H200 at EP 1 (results/hybridep_h200.txt): out 2.1e-3 (HybridEP returns the routed sum in
+            # bf16, one rounding more: 2.4x), every gradient 0.0; across ranks the routed rows may sum in another
+            # order, so the gradients keep one bf16 rounding (2^-8) of room; a lost or misrouted row is O(1)
             gate(f"n{n}_vs_{ref}.out", errs.pop("out"), 5e-3)
             for k, e in errs.items():  # dx and every parameter's gradient
-                gate(f"n{n}_vs_{ref}.{k}", e, 1e-2)
+                gate(f"n{n}_vs_{ref}.{k}", e, 4e-3)
         # the two exact paths agree with each other more tightly than HybridEP's extra bf16 rounding
         gate(f"n{n}_torch_vs_local.out", rel_err(results["torch"][0], results["local"][0]), 1e-3)
     assert copies["hybridep"].experts.dispatcher.buffer is not None
