@@ -38,6 +38,9 @@ def test_blocks_spread_over_two_gpus(folder, reference):
     with torch.no_grad():
         logits = model(IDS.cuda(0)).logits
     assert logits.device.index == 1
+    # not yet measured (no two-GPU machine lent since the gates were reviewed): fp32 on two GPUs of one type runs the
+    # same kernels as on one, so equal logits are expected; 1e-5 leaves fp32 rounding room for a library picking
+    # another GEMM algorithm on the second device, far below what a block on the wrong device or skipped would give
     torch.testing.assert_close(logits.cpu(), reference, rtol=1e-5, atol=1e-5)
 
 
