@@ -21,7 +21,7 @@ from .engram_hashing import (
     engram_primes,
 )
 from .engram_host import EngramTable, PrefetchedRows
-from .layers import make_linear
+from .layers import by_positions, make_linear
 
 GATE_CLAMP = 1e-6  # |score| is clamped to at least this before its square root
 # Without autograd (inference), the gate runs this many positions at a time: its fp32 temporaries are ~5 copies
@@ -94,15 +94,8 @@ def engram_gate(x, kv, q_weight, k_weight, eps: float, image_mask):
     x + sigmoid(signed_sqrt(<rms(x)·q_weight, rms(key)·k_weight> / sqrt(dim))) · value, in fp32, one rounding;
     the gate is closed (0) on image positions.  Each position's value depends on its own inputs only, so without
     autograd a long sequence goes ``GATE_POSITIONS`` at a time."""
-    s = x.shape[1]
-    if s <= GATE_POSITIONS or torch.is_grad_enabled():
-        return _engram_gate(x, kv, q_weight, k_weight, eps, image_mask)
-    out = torch.empty_like(x)
-    for start in range(0, s, GATE_POSITIONS):
-        part = slice(start, start + GATE_POSITIONS)
-        mask = None if image_mask is None else image_mask[:, part]
-        out[:, part] = _engram_gate(x[:, part], kv[:, part], q_weight, k_weight, eps, mask)
-    return out
+    return by_positions(lambda x, kv, mask: _engram_gate(x, kv, q_weight, k_weight, eps, mask), x, kv, image_mask,
+                        block=GATE_POSITIONS)
 
 
 def _engram_gate(x, kv, q_weight, k_weight, eps: float, image_mask):

@@ -482,9 +482,9 @@ CONFIGS = {
     "swiglu_prefill": (128, 64, 2, 4, 3, 1, 2),
 }
 GEMV_ROWS = 8  # the largest BLOCK_M an MMA 3 or 4 configuration takes
-# From this many rows on, fp8_linear (and fp8_block_diagonal_linear) decodes the weight to bf16 (a transient [N, K], freed after the call) and
-# multiplies the quantized activations' bf16 values with cuBLAS: the same exact products, summed in fp32, at the bf16
-# GEMM's speed, which the register-decoding Triton kernels reach only 0.3-0.5x of (quantized_gemm.py).
+# From this many rows on, fp8_linear and fp8_block_diagonal_linear decode the weight to bf16 (a transient, freed after
+# the call) and multiply the (quantized) activations' bf16 values with cuBLAS: the same exact products, summed in fp32,
+# at the bf16 GEMM's speed, which the register-decoding Triton kernels reach only 0.3-0.5x of (quantized_gemm.py).
 DECODED_GEMM_ROWS = 1024
 # The routed experts likewise from this many rows per expert on (prefill): each chunk of experts (at most
 # EXPERT_SCRATCH_BYTES of bf16 weights at once) is decoded and multiplied with torch._grouped_mm.  Decoding an

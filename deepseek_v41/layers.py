@@ -116,6 +116,26 @@ def compiled_on_cuda(fn, **compile_options):
     return run
 
 
+def by_positions(fn, *args, block: int):
+    """fn(*args) for a per-position fn (dim 1 of every tensor arg is the position; None args pass through): without
+    autograd, ``block`` positions at a time into one output, bounding fn's temporaries on a long prefill (no position
+    reads another: the same values, up to the summation order a GEMM picks for fewer rows); with autograd, or no
+    longer than ``block``, in one call."""
+    s = args[0].shape[1]
+    if s <= block or torch.is_grad_enabled():
+        return fn(*args)
+
+    def part(start):
+        return fn(*(None if a is None else a[:, start : start + block] for a in args))
+
+    first = part(0)
+    out = first.new_empty(first.shape[0], s, *first.shape[2:])
+    out[:, :block] = first
+    for start in range(block, s, block):
+        out[:, start : start + block] = part(start)
+    return out
+
+
 # ---- the fp32 head: logits = x · Wᵀ with fp32 x [.., D], fp32 W [V, D] -> fp32 logits [.., V] ----------------
 
 

@@ -9,29 +9,16 @@ All coefficients stay fp32 end to end.
 
 import torch
 
+from .layers import by_positions
+
 # Without autograd (inference) the streams' reads and writes below go this many positions at a time: each makes a few
 # fp32 copies of the streams [b, s, hc, d] (10 GiB each at 128k tokens on one row), which a long prefill cannot hold
 MHC_POSITIONS = 16384
 
 
-def by_positions(fn, *args):
-    """fn(*args) for per-position fn (dim 1 of every arg is the position): without autograd, MHC_POSITIONS positions
-    at a time into one output (no position reads another: the same values, up to the summation order a GEMM picks
-    for fewer rows); with autograd, or short, in one call."""
-    s = args[0].shape[1]
-    if s <= MHC_POSITIONS or torch.is_grad_enabled():
-        return fn(*args)
-    first = fn(*(a[:, :MHC_POSITIONS] for a in args))
-    out = first.new_empty(first.shape[0], s, *first.shape[2:])
-    out[:, :MHC_POSITIONS] = first
-    for start in range(MHC_POSITIONS, s, MHC_POSITIONS):
-        out[:, start : start + MHC_POSITIONS] = fn(*(a[:, start : start + MHC_POSITIONS] for a in args))
-    return out
-
-
 def hc_mix_logits(x, fn, norm_eps: float) -> torch.Tensor:
     # x [b, s, hc, d] -> fp32 [b, s, (2+hc)*hc]: the streams, RMS-normalised as one hc·d vector, times fn
-    return by_positions(lambda x: _hc_mix_logits(x, fn, norm_eps), x)
+    return by_positions(lambda x: _hc_mix_logits(x, fn, norm_eps), x, block=MHC_POSITIONS)
 
 
 def _hc_mix_logits(x, fn, norm_eps: float) -> torch.Tensor:
@@ -73,7 +60,7 @@ def sinkhorn_fusable(mixes, scale, base, hc: int, iters: int) -> bool:
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     # x [b, s, hc, d], pre [b, s, hc] -> [b, s, d]: weighted collapse in fp32, one rounding
-    return by_positions(_hc_pre, x, pre)
+    return by_positions(_hc_pre, x, pre, block=MHC_POSITIONS)
 
 
 def _hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -82,7 +69,7 @@ def _hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     # y [b, s, d], x [b, s, hc, d] -> [b, s, hc, d]: out_j = post_j * y + sum_i comb[i, j] * x_i
-    return by_positions(_hc_post, y, x, post, comb)
+    return by_positions(_hc_post, y, x, post, comb, block=MHC_POSITIONS)
 
 
 def _hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

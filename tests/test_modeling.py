@@ -708,6 +708,7 @@ def test_mhc_reads_and_writes_go_a_block_of_positions_at_a_time_without_autograd
     # a long prefill's mHC (mix logits, collapse, post-mix) in blocks of MHC_POSITIONS (bounded fp32 temporaries):
     # the same values as in one pass; with autograd on, one pass
     from deepseek_v41 import mhc
+    from deepseek_v41.layers import by_positions
 
     g = torch.Generator().manual_seed(0)
     b, s, hc, d = 2, 37, 4, 64
@@ -716,13 +717,12 @@ def test_mhc_reads_and_writes_go_a_block_of_positions_at_a_time_without_autograd
     fn = torch.randn((2 + hc) * hc, hc * d, generator=g)
     pre, post, comb = torch.rand(b, s, hc, generator=g), torch.rand(b, s, hc, generator=g), torch.rand(b, s, hc, hc, generator=g)
     whole = (mhc.hc_mix_logits(x, fn, 1e-6), mhc.hc_pre(x, pre), mhc.hc_post(y, x, post, comb))
-    calls = []
-    inner = mhc.by_positions
+    sizes = []
+    inner = mhc._hc_pre
+    monkeypatch.setattr(mhc, "_hc_pre", lambda x, pre: sizes.append(x.shape[1]) or inner(x, pre))
     monkeypatch.setattr(mhc, "MHC_POSITIONS", 16)
     with torch.no_grad():
         blocks = (mhc.hc_mix_logits(x, fn, 1e-6), mhc.hc_pre(x, pre), mhc.hc_post(y, x, post, comb))
-        sizes = []
-        mhc.by_positions(lambda x: sizes.append(x.shape[1]) or x.sum(-1), x)
     assert sizes == [16, 16, 5]
     for one, blocked in zip(whole, blocks):
         assert blocked.dtype == one.dtype and blocked.shape == one.shape
@@ -731,5 +731,6 @@ def test_mhc_reads_and_writes_go_a_block_of_positions_at_a_time_without_autograd
     assert ((blocks[0] - whole[0]).norm() / whole[0].norm()).item() < 1.5e-7
     assert torch.equal(blocks[1], whole[1]) and torch.equal(blocks[2], whole[2])
     sizes.clear()
-    mhc.by_positions(lambda x: sizes.append(x.shape[1]) or x.sum(-1), x.requires_grad_())
-    assert sizes == [s] and inner is mhc.by_positions
+    mhc.hc_pre(x, pre)  # autograd on: one pass
+    assert sizes == [s]
+    assert by_positions(lambda x, none: x.sum(-1), x, None, block=16).shape == (b, s, hc)  # None args pass through

@@ -395,7 +395,7 @@ def weight_decode(args):
     the decoded tensor (the same bytes written, four times the bytes read), bit-equal to the reference decode."""
     E, D, I = args.experts, args.hidden, args.inter
     gen = torch.Generator(device="cuda").manual_seed(0)
-    lines = [f"## weight decode to bf16 (GB/s = bytes read + written / time; bf16 copy = a device copy of the output)"]
+    lines = ["## weight decode to bf16 (GB/s = bytes read + written / time; bf16 copy = a device copy of the output)"]
     default = kq.FP4_DECODE_CONFIG
     for name, n, k in [("experts w1/w3", I, D), ("experts w2", D, I)]:
         codes = torch.randint(0, 256, (E, n, k // 2), device="cuda", dtype=torch.uint8, generator=gen)
