@@ -1,0 +1,380 @@
+"""An FP8 block-scaled GEMM for Hopper in CUDA (wgmma + TMA) with the release's per-32 scales: the measured case
+against an FP8 tensor-core path for prefill, kept beside the benchmarks, not in the package.
+
+out[M, N] (bf16) = sum over 32-wide K blocks kb of (A_q[:, kb] @ B_q[:, kb]^T) * a_scale[kb, m] * b_scale[n/32, kb],
+A_q float8_e4m3fn [M, K] (activations quantized per 32 along K), B_q float8_e4m3fn [N, K] (the stored weight, one
+UE8M0 scale per 32x32 block).  One FP8 wgmma (m64nNk32) computes each 32-block's partial product in fp32; the
+partial is then promoted into the fp32 accumulator with one FFMA per element and its two power-of-two scales.
+
+Layout: a persistent grid; warpgroup 0 is the producer (one thread issues TMA loads of A, B and the activation
+scales through a ring of STAGES shared-memory stages, 128-byte swizzle, the layout wgmma reads); warpgroups 1-2
+each own 64 rows of the 128-row tile.  With two partials a warpgroup (DOUBLE) block kb+1's wgmma is issued before
+block kb is promoted, so the FFMAs can run under the MMA.
+
+Measured on an H100 at 8192 rows, the released shapes (examples/benchmarks/fp8_wgmma.py, docs/results.md): 0.5-0.67x
+our bf16 GEMM, behind the package's prefill path (weight decoded to bf16 + cuBLAS, 0.7-0.9x); the same pipeline
+without the promotion reaches 1.09-1.14x (wo_b, shared w1/w3 at BLOCK_N 192).  The promotion is one FFMA per
+accumulator per 32 inputs, as many CUDA-core issue slots as the tensor core spends on the block, so an exact
+per-32 FP8 GEMM on Hopper sits near the bf16 tensor-core rate however it is scheduled; Blackwell's block-scaled
+MMA takes these scales in the instruction.
+
+    fp8_gemm_wgmma(a_codes [M, K], a_scale_t [ceil(K/32), M] fp32, weight [N, K], b_scale [ceil(N/32), ceil(K/32)]
+                   uint8 E8M0 bytes) -> bf16 or fp32 [M, N]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from deepseek_v41.cuda_module import CudaKernel, _check, _lib, compile_cubin, find_nvcc
+
+BLOCK_M, BLOCK_K = 128, 128  # CTA rows; BLOCK_K bytes of FP8 per row = the 128-byte swizzle span
+CONFIG = (96, True, 6)  # (BLOCK_N, two partial accumulators a warpgroup, pipeline stages)
+THREADS = 384  # warpgroup 0: the TMA producer (one thread issues); warpgroups 1-2: math, 64 rows each
+
+
+def _wgmma(n: int) -> str:
+    # wgmma m64nNk32 e4m3 x e4m3 -> f32 (N/2 registers a thread), both operands from shared memory; scale-d 0: a fresh
+    # partial
+    regs = ",".join(f"%{i}" for i in range(n // 2))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(n // 2))
+    da, db, zero = n // 2, n // 2 + 1, n // 2 + 2
+    ptx = (r"{\n.reg .pred p;\nsetp.ne.b32 p, %" + str(zero) + r", 0;\n"
+           f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{regs}}}, %{da}, %{db}, p, 1, 1;" + r"\n}\n")
+    return ("__device__ __forceinline__ void wgmma_mma(float* d, uint64_t da, uint64_t db, int accumulate) {\n"
+            f'  asm volatile("{ptx}"\n    : {outs}\n    : "l"(da), "l"(db), "r"(accumulate));\n}}\n'
+            "__device__ __forceinline__ void wgmma_fresh(float* d, uint64_t da, uint64_t db) { wgmma_mma(d, da, db, 0); }\n")
+
+
+def _source(bn: int, double: bool, stages: int, out_f32: bool, no_promote: bool = False) -> str:
+    head = (f"#define BN {bn}\n#define DOUBLE {int(double)}\n#define STAGES {stages}\n#define OUT_F32 {int(out_f32)}\n"
+            f"#define NO_PROMOTE {int(no_promote)}\n")
+    return head + _COMMON + _wgmma(bn) + _KERNEL
+
+
+_COMMON = r"""
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define BM 128
+#define BK 128
+#define GROUP_M 8
+#define ACC (BN / 2)   // accumulator registers a thread: 64 rows x BN columns over 128 threads
+#define WB (BN / 32)   // weight scale blocks across the tile
+#if OUT_F32
+#define OUT_T float
+#else
+#define OUT_T __nv_bfloat16
+#endif
+
+struct __align__(64) TensorMap { unsigned long long opaque[16]; };
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile("{\n.reg .pred P;\nWAIT_%=:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+               "@!P bra WAIT_%=;\n}\n" :: "r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, uint64_t* bar, int x, int y) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+               :: "r"(smem_u32(dst)), "l"((uint64_t)map), "r"(smem_u32(bar)), "r"(x), "r"(y) : "memory");
+}
+// K-major operand tile with 128-byte swizzle: rows of 128 bytes, 8-row (1024-byte) swizzle atoms
+__device__ __forceinline__ uint64_t smem_desc(const void* p) {
+  uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_regs(float* d) {
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+"""
+
+_KERNEL = r"""
+__device__ __forceinline__ float e8m0(uint32_t e) {  // UE8M0 byte -> 2^(e-127); 0 -> 2^-127 (a subnormal)
+  return e ? __uint_as_float(e << 23) : __uint_as_float(0x400000u);
+}
+
+// promote a 64x128 partial into the accumulator: rows r (elements 0,1 of each n8 fragment) and r+8 (2,3),
+// fragment f's columns in weight block f/4
+__device__ __forceinline__ void promote(float* acc, const float* t, float sa0, float sa1, const float* sw) {
+#pragma unroll
+  for (int f = 0; f < BN / 8; ++f) {
+    const float c0 = sa0 * sw[f >> 2], c1 = sa1 * sw[f >> 2];
+    acc[4 * f + 0] = fmaf(t[4 * f + 0], c0, acc[4 * f + 0]);
+    acc[4 * f + 1] = fmaf(t[4 * f + 1], c0, acc[4 * f + 1]);
+    acc[4 * f + 2] = fmaf(t[4 * f + 2], c1, acc[4 * f + 2]);
+    acc[4 * f + 3] = fmaf(t[4 * f + 3], c1, acc[4 * f + 3]);
+  }
+}
+
+// one stage's weight scales: word b holds blocks kb..kb+3 of weight row block n0/32 + b (E8M0 bytes)
+__device__ __forceinline__ void load_wscales(uint32_t* w, const unsigned char* __restrict__ b_scale, int stage_k,
+                                             int n0, int NB, int KB4, int bs_stride) {
+#pragma unroll
+  for (int b = 0; b < WB; ++b) {
+    const int nb = n0 / 32 + b;
+    w[b] = (stage_k < KB4 && nb < NB) ? __ldg((const uint32_t*)(b_scale + (size_t)nb * bs_stride) + stage_k) : 0u;
+  }
+}
+__device__ __forceinline__ void wscale(float* sw, const uint32_t* w, int kb) {
+#pragma unroll
+  for (int b = 0; b < WB; ++b) sw[b] = e8m0((w[b] >> (8 * kb)) & 0xFF);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+fp8_gemm_wgmma(const __grid_constant__ TensorMap tma_a, const __grid_constant__ TensorMap tma_b,
+               const __grid_constant__ TensorMap tma_as, const unsigned char* __restrict__ b_scale,
+               OUT_T* __restrict__ out, int M, int N, int K, int bs_stride) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = (unsigned char*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+  unsigned char* sA = smem;                                  // [STAGES][BM rows][BK bytes], swizzled
+  unsigned char* sB = sA + STAGES * BM * BK;                 // [STAGES][BN rows][BK bytes], swizzled
+  float* sAS = (float*)(sB + STAGES * BN * BK);              // [STAGES][4 blocks][BM rows] activation scales
+  uint64_t* full = (uint64_t*)(sAS + STAGES * 4 * BM);
+  uint64_t* empty = full + STAGES;
+
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN, tiles = tiles_m * tiles_n;
+  const int k_stages = (K + BK - 1) / BK, NB = (N + 31) / 32;
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 8); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer: one thread streams the stages of every tile this CTA takes
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      int j = 0;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int per_group = GROUP_M * tiles_n, first_m = (tile / per_group) * GROUP_M;
+        const int gm = min(tiles_m - first_m, GROUP_M);
+        const int m0 = (first_m + (tile % per_group) % gm) * BM, n0 = ((tile % per_group) / gm) * BN;
+        for (int ks = 0; ks < k_stages; ++ks, ++j) {
+          const int s = j % STAGES;
+          if (j >= STAGES) mbar_wait(&empty[s], ((j / STAGES) - 1) & 1);
+          mbar_expect_tx(&full[s], (BM + BN) * BK + 4 * BM * 4);
+          tma_load(sA + s * BM * BK, &tma_a, &full[s], ks * BK, m0);
+          tma_load(sB + s * BN * BK, &tma_b, &full[s], ks * BK, n0);
+          tma_load(sAS + s * 4 * BM, &tma_as, &full[s], m0, ks * 4);
+        }
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+
+  const int mw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int row = mw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: row, row + 8
+  float acc[ACC], t0[ACC];
+#if DOUBLE
+  float t1[ACC];
+#endif
+  uint32_t wcur[WB], wnxt[WB];
+  float sw[WB];
+  int j = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int per_group = GROUP_M * tiles_n, first_m = (tile / per_group) * GROUP_M;
+    const int gm = min(tiles_m - first_m, GROUP_M);
+    const int m0 = (first_m + (tile % per_group) % gm) * BM, n0 = ((tile % per_group) / gm) * BN;
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+    load_wscales(wcur, b_scale, 0, n0, NB, k_stages, bs_stride);
+#if DOUBLE
+    for (int ks = 0; ks < k_stages; ++ks, ++j) {
+      // issue block b into one partial, then promote block b-1 from the other while it runs; the stage ends with
+      // no MMA in flight (a wgmma's registers must not cross the loop's back edge)
+      const int s = j % STAGES;
+      const unsigned char* a_tile = sA + s * BM * BK + mw * 64 * BK;
+      const unsigned char* b_tile = sB + s * BN * BK;
+      const float* as = sAS + s * 4 * BM + row;
+      if (ks + 1 < k_stages) load_wscales(wnxt, b_scale, ks + 1, n0, NB, k_stages, bs_stride);
+      mbar_wait(&full[s], (j / STAGES) & 1);
+      wgmma_fence(); wgmma_fresh(t0, smem_desc(a_tile), smem_desc(b_tile)); wgmma_commit();
+      wgmma_fence(); wgmma_fresh(t1, smem_desc(a_tile + 32), smem_desc(b_tile + 32)); wgmma_commit();
+      wgmma_wait<1>(); fence_regs(t0);
+      wscale(sw, wcur, 0); promote(acc, t0, as[0], as[8], sw);
+      wgmma_fence(); wgmma_fresh(t0, smem_desc(a_tile + 64), smem_desc(b_tile + 64)); wgmma_commit();
+      wgmma_wait<1>(); fence_regs(t1);
+      wscale(sw, wcur, 1); promote(acc, t1, as[BM], as[BM + 8], sw);
+      wgmma_fence(); wgmma_fresh(t1, smem_desc(a_tile + 96), smem_desc(b_tile + 96)); wgmma_commit();
+      wgmma_wait<1>(); fence_regs(t0);
+      wscale(sw, wcur, 2); promote(acc, t0, as[2 * BM], as[2 * BM + 8], sw);
+      const float a30 = as[3 * BM], a31 = as[3 * BM + 8];
+      wgmma_wait<0>(); fence_regs(t1);
+      if (lane == 0) mbar_arrive(&empty[s]);  // every block of stage s is read: the producer may refill it
+      wscale(sw, wcur, 3); promote(acc, t1, a30, a31, sw);
+#pragma unroll
+      for (int b = 0; b < WB; ++b) wcur[b] = wnxt[b];
+    }
+#elif NO_PROMOTE  // a diagnostic for the benchmark only: one scale-free MMA chain, the pipeline's own ceiling
+    for (int ks = 0; ks < k_stages; ++ks, ++j) {
+      const int s = j % STAGES;
+      const unsigned char* a_tile = sA + s * BM * BK + mw * 64 * BK;
+      const unsigned char* b_tile = sB + s * BN * BK;
+      mbar_wait(&full[s], (j / STAGES) & 1);
+      wgmma_fence();
+#pragma unroll
+      for (int kb = 0; kb < 4; ++kb) wgmma_mma(acc, smem_desc(a_tile + 32 * kb), smem_desc(b_tile + 32 * kb), 1);
+      wgmma_commit();
+      wgmma_wait<0>(); fence_regs(acc);
+      if (lane == 0) mbar_arrive(&empty[s]);
+    }
+#else
+    for (int ks = 0; ks < k_stages; ++ks, ++j) {
+      const int s = j % STAGES;
+      const unsigned char* a_tile = sA + s * BM * BK + mw * 64 * BK;
+      const unsigned char* b_tile = sB + s * BN * BK;
+      const float* as = sAS + s * 4 * BM + row;
+      if (ks + 1 < k_stages) load_wscales(wnxt, b_scale, ks + 1, n0, NB, k_stages, bs_stride);
+      mbar_wait(&full[s], (j / STAGES) & 1);
+#pragma unroll
+      for (int kb = 0; kb < 4; ++kb) {
+        wgmma_fence(); wgmma_fresh(t0, smem_desc(a_tile + 32 * kb), smem_desc(b_tile + 32 * kb)); wgmma_commit();
+        const float sa0 = as[kb * BM], sa1 = as[kb * BM + 8];
+        wgmma_wait<0>(); fence_regs(t0);
+        if (kb == 3 && lane == 0) mbar_arrive(&empty[s]);
+        wscale(sw, wcur, kb); promote(acc, t0, sa0, sa1, sw);
+      }
+#pragma unroll
+      for (int b = 0; b < WB; ++b) wcur[b] = wnxt[b];
+    }
+#endif
+    // epilogue: pairs of columns straight to global memory
+#pragma unroll
+    for (int f = 0; f < BN / 8; ++f) {
+      const int col = n0 + f * 8 + (lane % 4) * 2;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + row + h * 8;
+        if (r < M && col < N) {
+          OUT_T* dst = out + (size_t)r * N + col;
+          const float x = acc[4 * f + 2 * h], y = acc[4 * f + 2 * h + 1];
+#if OUT_F32
+          if (col + 1 < N && (N % 2 == 0)) {
+            *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+          } else {
+            dst[0] = x;
+            if (col + 1 < N) dst[1] = y;
+          }
+#else
+          if (col + 1 < N && (N % 2 == 0)) {
+            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
+          } else {
+            dst[0] = __float2bfloat16_rn(x);
+            if (col + 1 < N) dst[1] = __float2bfloat16_rn(y);
+          }
+#endif
+        }
+      }
+    }
+  }
+}
+"""
+
+
+class _TensorMap(ctypes.Structure):
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+def _tensor_map(t: torch.Tensor, box: tuple[int, int], dtype_code: int, swizzle: int) -> _TensorMap:
+    """A TMA descriptor over a row-major 2-D tensor: boxes of box = (inner, outer) elements, zeros outside."""
+    fn = _lib().cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    rows, inner = t.shape
+    raw = (ctypes.c_uint8 * (ctypes.sizeof(_TensorMap) + 64))()  # the driver writes to a 64-byte aligned address
+    aligned = (ctypes.addressof(raw) + 63) // 64 * 64
+    # interleave none (0), L2 promotion 256B (3), out-of-bounds fill zeros (0)
+    _check("cuTensorMapEncodeTiled", fn(
+        ctypes.c_void_p(aligned), ctypes.c_int(dtype_code), ctypes.c_uint32(2), ctypes.c_void_p(t.data_ptr()),
+        (ctypes.c_uint64 * 2)(inner, rows), (ctypes.c_uint64 * 1)(t.stride(0) * t.element_size()),
+        (ctypes.c_uint32 * 2)(*box), (ctypes.c_uint32 * 2)(1, 1), ctypes.c_int(0), ctypes.c_int(swizzle),
+        ctypes.c_int(3), ctypes.c_int(0)))
+    out = _TensorMap()
+    ctypes.memmove(ctypes.addressof(out), aligned, ctypes.sizeof(_TensorMap))
+    return out
+
+
+_UINT8, _FLOAT32 = 0, 7  # CUtensorMapDataType
+_SWIZZLE_NONE, _SWIZZLE_128B = 0, 3
+
+
+@functools.cache
+def _kernel(bn: int, double: bool, stages: int, out_f32: bool, no_promote: bool = False) -> CudaKernel:
+    smem = stages * ((BLOCK_M + bn) * BLOCK_K + 4 * BLOCK_M * 4) + 2 * stages * 8 + 1024
+    source = _source(bn, double, stages, out_f32, no_promote)
+    return CudaKernel(compile_cubin(source, [], arch="sm_90a"), "fp8_gemm_wgmma", smem)
+
+
+@functools.cache
+def _device_usable(index: int) -> bool:
+    if torch.cuda.get_device_capability(index) != (9, 0):
+        return False
+    try:
+        find_nvcc()
+    except RuntimeError:
+        return False
+    return True
+
+
+def wgmma_usable(x: torch.Tensor) -> bool:
+    """True where ``fp8_gemm_wgmma`` runs for tensors like ``x``: a Hopper GPU (sm_90; wgmma and TMA) and nvcc to
+    compile the kernel on first use."""
+    return x.is_cuda and _device_usable(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fp8_gemm_wgmma(a: torch.Tensor, a_scale_t: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                   config=CONFIG, out_dtype=torch.bfloat16, _no_promote: bool = False) -> torch.Tensor:
+    """a float8_e4m3fn [M, K], a_scale_t fp32 [ceil(K/32), M] (powers of two), b float8_e4m3fn [N, K], b_scale uint8
+    [ceil(N/32), ceil(K/32)] (E8M0 bytes) -> bf16 [M, N]."""
+    m, k = a.shape
+    n = b.shape[0]
+    if k % 16:
+        raise ValueError(f"fp8_gemm_wgmma needs K a multiple of 16 (TMA row strides), got {k}")
+    k_stages = -(-k // BLOCK_K)
+    if a_scale_t.stride(0) % 4 or a_scale_t.stride(1) != 1:  # TMA rows: 16-byte strides
+        padded = a_scale_t.new_zeros(a_scale_t.shape[0], -(-m // 4) * 4)
+        padded[:, :m] = a_scale_t
+        a_scale_t = padded[:, :m]
+    if b_scale.shape[1] != 4 * k_stages or b_scale.stride(0) != 4 * k_stages:  # one 32-bit word per stage and row
+        padded = b_scale.new_zeros(b_scale.shape[0], 4 * k_stages)
+        padded[:, :b_scale.shape[1]] = b_scale
+        b_scale = padded
+    a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"fp8_gemm_wgmma writes bf16 or fp32, not {out_dtype}")
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    bn, double, stages = config
+    tiles = -(-m // BLOCK_M) * -(-n // bn)
+    _kernel(bn, double, stages, out_dtype == torch.float32, _no_promote).launch((min(tiles, _sm_count(a.device.index)),), (THREADS,), [
+        _tensor_map(a, (BLOCK_K, BLOCK_M), _UINT8, _SWIZZLE_128B),
+        _tensor_map(b, (BLOCK_K, bn), _UINT8, _SWIZZLE_128B),
+        _tensor_map(a_scale_t, (BLOCK_M, 4), _FLOAT32, _SWIZZLE_NONE), b_scale, out,
+        ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(k), ctypes.c_int32(b_scale.stride(0))])
+    return out
