@@ -100,7 +100,7 @@ def bench(args, configs, lines):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[8192])
-    p.add_argument("--configs", nargs="+", default=["96,1,7", "128,1,6", "128,0,6", "192,0,5"])
+    p.add_argument("--configs", nargs="+", default=["128,0,6", "192,0,5", "128,1,6", "96,1,7"])
     p.add_argument("--check", action="store_true")
     p.add_argument("--no-promote", action="store_true", help="also time the kernel without its promotion step")
     p.add_argument("--shapes", nargs="+", help="only these linears (names as in DENSE)")

@@ -32,7 +32,7 @@ import torch
 from deepseek_v41.cuda_module import CudaKernel, _check, _lib, compile_cubin, find_nvcc
 
 BLOCK_M, BLOCK_K = 128, 128  # CTA rows; BLOCK_K bytes of FP8 per row = the 128-byte swizzle span
-CONFIG = (96, True, 6)  # (BLOCK_N, two partial accumulators a warpgroup, pipeline stages)
+CONFIG = (128, False, 6)  # (BLOCK_N, two partial accumulators a warpgroup, stages): fastest or near it on every shape
 THREADS = 384  # warpgroup 0: the TMA producer (one thread issues); warpgroups 1-2: math, 64 rows each
 
 
