@@ -12,7 +12,7 @@ each own 64 rows of the 128-row tile.  With two partials a warpgroup (DOUBLE) bl
 block kb is promoted, so the FFMAs can run under the MMA.
 
 Measured on an H100 at 8192 rows, the released shapes (examples/benchmarks/fp8_wgmma.py, docs/results.md): 0.5-0.67x
-our bf16 GEMM, behind the package's prefill path (weight decoded to bf16 + cuBLAS, 0.7-0.9x); the same pipeline
+our bf16 GEMM, behind the package's prefill path (weight decoded to bf16 + cuBLAS, 0.48-0.94x) but on wkv; the same pipeline
 without the promotion reaches 1.09-1.14x (wo_b, shared w1/w3 at BLOCK_N 192).  The promotion is one FFMA per
 accumulator per 32 inputs, as many CUDA-core issue slots as the tensor core spends on the block, so an exact
 per-32 FP8 GEMM on Hopper sits near the bf16 tensor-core rate however it is scheduled; Blackwell's block-scaled
