@@ -3,8 +3,8 @@
     python examples/benchmarks/fp8_wgmma.py --check [--tokens 8192 1024] [--configs 96,1,7 128,1,6] [--out FILE]
     python examples/benchmarks/fp8_wgmma.py --no-promote --shapes attn.wo_b   # also the pipeline's own ceiling
 
-For each released FP8 linear (architecture.md §12) at each ``--tokens`` row count: the GEMM alone on quantized activations
-(each configuration ``(BLOCK_N, two partials, stages)``), ``fp8_linear`` as the model calls it (activation
+For each released FP8 linear (architecture.md §12) at each ``--tokens`` row count: the GEMM alone on quantized
+activations (each configuration ``(BLOCK_N, two partials, stages)``), ``fp8_linear`` as the model calls it (activation
 quantization + GEMM), the former prefill path (the weight decoded to bf16, cuBLAS on the quantized activations'
 bf16 values), and ``torch.matmul`` in bf16 on the decoded weight, the baseline.  TFLOP/s = 2·M·N·K / time, CUDA-event
 medians.  ``--check`` first compares every configuration with an fp64 product of the same FP8 operands on ragged
@@ -85,7 +85,8 @@ def implementations(x, wq, ws, configs, no_promote):
 
 
 def bench(args, configs, lines):
-    lines.append(f"{'linear':14s} {'N':>6s} {'K':>5s} {'M':>5s} {'impl':22s} {'ms':>8s} {'TFLOP/s':>8s} {'vs bf16':>7s}")
+    lines.append(f"{'linear':14s} {'N':>6s} {'K':>5s} {'M':>5s} {'impl':22s} {'ms':>8s} {'TFLOP/s':>8s} "
+                 f"{'vs bf16':>7s}")
     dense = [d for d in DENSE if not args.shapes or d[0] in args.shapes]
     for (name, n, k), m in [(shape, m) for shape in dense for m in args.tokens]:
         base = None

@@ -12,9 +12,9 @@ each own 64 rows of the 128-row tile.  With two partials a warpgroup (DOUBLE) bl
 block kb is promoted, so the FFMAs can run under the MMA.
 
 Measured on an H100 at 8192 rows, the released shapes (examples/benchmarks/fp8_wgmma.py, docs/results.md): 0.5-0.67x
-our bf16 GEMM, behind the package's prefill path (weight decoded to bf16 + cuBLAS, 0.48-0.94x) but on wkv; the same pipeline
-without the promotion reaches 1.09-1.14x (wo_b, shared w1/w3 at BLOCK_N 192).  The promotion is one FFMA per
-accumulator per 32 inputs, as many CUDA-core issue slots as the tensor core spends on the block, so an exact
+our bf16 GEMM, behind the package's prefill path (weight decoded to bf16 + cuBLAS, 0.48-0.94x) on all but wkv; the
+same pipeline without the promotion reaches 1.09-1.14x (wo_b, shared w1/w3 at BLOCK_N 192).  The promotion is one
+FFMA per accumulator per 32 inputs, as many CUDA-core issue slots as the tensor core spends on the block, so an exact
 per-32 FP8 GEMM on Hopper sits near the bf16 tensor-core rate however it is scheduled; Blackwell's block-scaled
 MMA takes these scales in the instruction.
 
@@ -46,7 +46,8 @@ def _wgmma(n: int) -> str:
            f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{regs}}}, %{da}, %{db}, p, 1, 1;" + r"\n}\n")
     return ("__device__ __forceinline__ void wgmma_mma(float* d, uint64_t da, uint64_t db, int accumulate) {\n"
             f'  asm volatile("{ptx}"\n    : {outs}\n    : "l"(da), "l"(db), "r"(accumulate));\n}}\n'
-            "__device__ __forceinline__ void wgmma_fresh(float* d, uint64_t da, uint64_t db) { wgmma_mma(d, da, db, 0); }\n")
+            "__device__ __forceinline__ void wgmma_fresh(float* d, uint64_t da, uint64_t db) {\n"
+            "  wgmma_mma(d, da, db, 0);\n}\n")
 
 
 def _source(bn: int, double: bool, stages: int, out_f32: bool, no_promote: bool = False) -> str:
@@ -372,7 +373,8 @@ def fp8_gemm_wgmma(a: torch.Tensor, a_scale_t: torch.Tensor, b: torch.Tensor, b_
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     bn, double, stages = config
     tiles = -(-m // BLOCK_M) * -(-n // bn)
-    _kernel(bn, double, stages, out_dtype == torch.float32, _no_promote).launch((min(tiles, _sm_count(a.device.index)),), (THREADS,), [
+    kernel = _kernel(bn, double, stages, out_dtype == torch.float32, _no_promote)
+    kernel.launch((min(tiles, _sm_count(a.device.index)),), (THREADS,), [
         _tensor_map(a, (BLOCK_K, BLOCK_M), _UINT8, _SWIZZLE_128B),
         _tensor_map(b, (BLOCK_K, bn), _UINT8, _SWIZZLE_128B),
         _tensor_map(a_scale_t, (BLOCK_M, 4), _FLOAT32, _SWIZZLE_NONE), b_scale, out,
