@@ -65,6 +65,7 @@ _COMMON = r"""
 #define GROUP_M 8
 #define ACC (BN / 2)   // accumulator registers a thread: 64 rows x BN columns over 128 threads
 #define WB (BN / 32)   // weight scale blocks across the tile
+#define PROMOTES (DOUBLE || !NO_PROMOTE)  // the stage loop scales partials (all but the --no-promote diagnostic)
 #if OUT_F32
 #define OUT_T float
 #else
@@ -141,6 +142,24 @@ __device__ __forceinline__ void wscale(float* sw, const uint32_t* w, int kb) {
   for (int b = 0; b < WB; ++b) sw[b] = e8m0((w[b] >> (8 * kb)) & 0xFF);
 }
 
+// the tile's first row and column: GROUP_M row tiles at a time sweep the columns (the weight tiles stay in L2)
+__device__ __forceinline__ void tile_origin(int tile, int tiles_m, int tiles_n, int& m0, int& n0) {
+  const int per_group = GROUP_M * tiles_n, first_m = (tile / per_group) * GROUP_M;
+  const int gm = min(tiles_m - first_m, GROUP_M);
+  m0 = (first_m + (tile % per_group) % gm) * BM;
+  n0 = ((tile % per_group) / gm) * BN;
+}
+
+// a pair of adjacent outputs, or one
+__device__ __forceinline__ void store_pair(float* d, float x, float y) {
+  *reinterpret_cast<float2*>(d) = make_float2(x, y);
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* d, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void store_one(float* d, float x) { *d = x; }
+__device__ __forceinline__ void store_one(__nv_bfloat16* d, float x) { *d = __float2bfloat16_rn(x); }
+
 extern "C" __global__ void __launch_bounds__(384, 1)
 fp8_gemm_wgmma(const __grid_constant__ TensorMap tma_a, const __grid_constant__ TensorMap tma_b,
                const __grid_constant__ TensorMap tma_as, const unsigned char* __restrict__ b_scale,
@@ -169,9 +188,8 @@ fp8_gemm_wgmma(const __grid_constant__ TensorMap tma_a, const __grid_constant__ 
     if (threadIdx.x == 0) {
       int j = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int per_group = GROUP_M * tiles_n, first_m = (tile / per_group) * GROUP_M;
-        const int gm = min(tiles_m - first_m, GROUP_M);
-        const int m0 = (first_m + (tile % per_group) % gm) * BM, n0 = ((tile % per_group) / gm) * BN;
+        int m0, n0;
+        tile_origin(tile, tiles_m, tiles_n, m0, n0);
         for (int ks = 0; ks < k_stages; ++ks, ++j) {
           const int s = j % STAGES;
           if (j >= STAGES) mbar_wait(&empty[s], ((j / STAGES) - 1) & 1);
@@ -196,22 +214,23 @@ fp8_gemm_wgmma(const __grid_constant__ TensorMap tma_a, const __grid_constant__ 
   float sw[WB];
   int j = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int per_group = GROUP_M * tiles_n, first_m = (tile / per_group) * GROUP_M;
-    const int gm = min(tiles_m - first_m, GROUP_M);
-    const int m0 = (first_m + (tile % per_group) % gm) * BM, n0 = ((tile % per_group) / gm) * BN;
+    int m0, n0;
+    tile_origin(tile, tiles_m, tiles_n, m0, n0);
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
     load_wscales(wcur, b_scale, 0, n0, NB, k_stages, bs_stride);
-#if DOUBLE
     for (int ks = 0; ks < k_stages; ++ks, ++j) {
-      // issue block b into one partial, then promote block b-1 from the other while it runs; the stage ends with
-      // no MMA in flight (a wgmma's registers must not cross the loop's back edge)
       const int s = j % STAGES;
       const unsigned char* a_tile = sA + s * BM * BK + mw * 64 * BK;
       const unsigned char* b_tile = sB + s * BN * BK;
+#if PROMOTES
       const float* as = sAS + s * 4 * BM + row;
       if (ks + 1 < k_stages) load_wscales(wnxt, b_scale, ks + 1, n0, NB, k_stages, bs_stride);
+#endif
       mbar_wait(&full[s], (j / STAGES) & 1);
+#if DOUBLE
+      // issue block b into one partial, then promote block b-1 from the other while it runs; the stage ends with
+      // no MMA in flight (a wgmma's registers must not cross the loop's back edge)
       wgmma_fence(); wgmma_fresh(t0, smem_desc(a_tile), smem_desc(b_tile)); wgmma_commit();
       wgmma_fence(); wgmma_fresh(t1, smem_desc(a_tile + 32), smem_desc(b_tile + 32)); wgmma_commit();
       wgmma_wait<1>(); fence_regs(t0);
@@ -226,30 +245,14 @@ fp8_gemm_wgmma(const __grid_constant__ TensorMap tma_a, const __grid_constant__ 
       wgmma_wait<0>(); fence_regs(t1);
       if (lane == 0) mbar_arrive(&empty[s]);  // every block of stage s is read: the producer may refill it
       wscale(sw, wcur, 3); promote(acc, t1, a30, a31, sw);
-#pragma unroll
-      for (int b = 0; b < WB; ++b) wcur[b] = wnxt[b];
-    }
 #elif NO_PROMOTE  // a diagnostic for the benchmark only: one scale-free MMA chain, the pipeline's own ceiling
-    for (int ks = 0; ks < k_stages; ++ks, ++j) {
-      const int s = j % STAGES;
-      const unsigned char* a_tile = sA + s * BM * BK + mw * 64 * BK;
-      const unsigned char* b_tile = sB + s * BN * BK;
-      mbar_wait(&full[s], (j / STAGES) & 1);
       wgmma_fence();
 #pragma unroll
       for (int kb = 0; kb < 4; ++kb) wgmma_mma(acc, smem_desc(a_tile + 32 * kb), smem_desc(b_tile + 32 * kb), 1);
       wgmma_commit();
       wgmma_wait<0>(); fence_regs(acc);
       if (lane == 0) mbar_arrive(&empty[s]);
-    }
 #else
-    for (int ks = 0; ks < k_stages; ++ks, ++j) {
-      const int s = j % STAGES;
-      const unsigned char* a_tile = sA + s * BM * BK + mw * 64 * BK;
-      const unsigned char* b_tile = sB + s * BN * BK;
-      const float* as = sAS + s * 4 * BM + row;
-      if (ks + 1 < k_stages) load_wscales(wnxt, b_scale, ks + 1, n0, NB, k_stages, bs_stride);
-      mbar_wait(&full[s], (j / STAGES) & 1);
 #pragma unroll
       for (int kb = 0; kb < 4; ++kb) {
         wgmma_fence(); wgmma_fresh(t0, smem_desc(a_tile + 32 * kb), smem_desc(b_tile + 32 * kb)); wgmma_commit();
@@ -258,10 +261,12 @@ fp8_gemm_wgmma(const __grid_constant__ TensorMap tma_a, const __grid_constant__ 
         if (kb == 3 && lane == 0) mbar_arrive(&empty[s]);
         wscale(sw, wcur, kb); promote(acc, t0, sa0, sa1, sw);
       }
+#endif
+#if PROMOTES
 #pragma unroll
       for (int b = 0; b < WB; ++b) wcur[b] = wnxt[b];
-    }
 #endif
+    }
     // epilogue: pairs of columns straight to global memory
 #pragma unroll
     for (int f = 0; f < BN / 8; ++f) {
@@ -272,21 +277,12 @@ fp8_gemm_wgmma(const __grid_constant__ TensorMap tma_a, const __grid_constant__ 
         if (r < M && col < N) {
           OUT_T* dst = out + (size_t)r * N + col;
           const float x = acc[4 * f + 2 * h], y = acc[4 * f + 2 * h + 1];
-#if OUT_F32
           if (col + 1 < N && (N % 2 == 0)) {
-            *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+            store_pair(dst, x, y);
           } else {
-            dst[0] = x;
-            if (col + 1 < N) dst[1] = y;
+            store_one(dst, x);
+            if (col + 1 < N) store_one(dst + 1, y);
           }
-#else
-          if (col + 1 < N && (N % 2 == 0)) {
-            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
-          } else {
-            dst[0] = __float2bfloat16_rn(x);
-            if (col + 1 < N) dst[1] = __float2bfloat16_rn(y);
-          }
-#endif
         }
       }
     }
