@@ -43,8 +43,7 @@ def fp32_floor(config, kind: str, rows: int) -> float:
     # bf16 decode (exact products)
     if config is None and kind == "dense" and rows >= kq.DECODED_GEMM_ROWS:
         return FP32_FLOOR["exact_products"]
-    config = config if config is not None else kq.CONFIGS[f"{kind}_{kq.config_tier(rows)}"]
-    return FP32_FLOOR["fp8_mma" if config[6] == 0 else "exact_products"]
+    return FP32_FLOOR["fp8_mma" if kq._config(kind, rows, config)[6] == 0 else "exact_products"]
 
 
 # one bf16 rounding of the output: 1.66e-3 (L2, relative) for Gaussian values; gate 1.2x
