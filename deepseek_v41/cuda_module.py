@@ -17,6 +17,7 @@ parameter types; a plain Python int or float is refused since guessing its width
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CudaKernel", "compile_cubin", "find_nvcc"]
+__all__ = ["HOPPER_PTX", "CudaKernel", "TensorMap", "compile_cubin", "find_nvcc", "hopper_usable", "sm_count",
+           "tensor_map_2d"]
 
 _DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this, dynamic shared memory must be opted into per function
@@ -364,3 +366,98 @@ class CudaKernel:
         """Local memory per thread in bytes (non-zero means register spills or local arrays)."""
         return self.attribute("local_size_bytes", device)
 
+
+# ------------------------------------------------------------------------------------- Hopper building blocks
+
+# CUDA source for sm_90a kernels (prepended to theirs): mbarriers, TMA loads, K-major 128-byte-swizzle shared-memory
+# descriptors, wgmma fences; a kernel passes its TMA descriptors (``tensor_map_2d``) as ``const __grid_constant__
+# TensorMap`` parameters
+HOPPER_PTX = r"""
+struct __align__(64) TensorMap { unsigned long long opaque[16]; };
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile("{\n.reg .pred P;\nWAIT_%=:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+               "@!P bra WAIT_%=;\n}\n" :: "r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, uint64_t* bar, int x, int y) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+               :: "r"(smem_u32(dst)), "l"((uint64_t)map), "r"(smem_u32(bar)), "r"(x), "r"(y) : "memory");
+}
+// K-major operand tile with 128-byte swizzle: rows of 128 bytes, 8-row (1024-byte) swizzle atoms
+__device__ __forceinline__ uint64_t smem_desc(const void* p) {
+  uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+template <int R> __device__ __forceinline__ void fence_regs(float (&d)[R]) {  // keep d's registers in place
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+"""
+
+
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap (TMA descriptor), passed to a kernel by value."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+TMA_UINT8, TMA_UINT16, TMA_FLOAT32 = 0, 1, 7  # CUtensorMapDataType
+TMA_SWIZZLE_NONE, TMA_SWIZZLE_128B = 0, 3
+
+
+def tensor_map_2d(t: torch.Tensor, box: tuple[int, int], dtype_code: int, swizzle: int) -> TensorMap:
+    """A TMA descriptor over a row-major 2-D tensor: boxes of box = (inner, outer) elements, zeros outside."""
+    fn = _lib().cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    rows, inner = t.shape
+    raw = (ctypes.c_uint8 * (ctypes.sizeof(TensorMap) + 64))()  # the driver writes to a 64-byte aligned address
+    aligned = (ctypes.addressof(raw) + 63) // 64 * 64
+    # interleave none (0), L2 promotion 256B (3), out-of-bounds fill zeros (0)
+    _check("cuTensorMapEncodeTiled", fn(
+        ctypes.c_void_p(aligned), ctypes.c_int(dtype_code), ctypes.c_uint32(2), ctypes.c_void_p(t.data_ptr()),
+        (ctypes.c_uint64 * 2)(inner, rows), (ctypes.c_uint64 * 1)(t.stride(0) * t.element_size()),
+        (ctypes.c_uint32 * 2)(*box), (ctypes.c_uint32 * 2)(1, 1), ctypes.c_int(0), ctypes.c_int(swizzle),
+        ctypes.c_int(3), ctypes.c_int(0)))
+    out = TensorMap()
+    ctypes.memmove(ctypes.addressof(out), aligned, ctypes.sizeof(TensorMap))
+    return out
+
+
+@functools.cache
+def _hopper_device(index: int) -> bool:
+    if torch.cuda.get_device_capability(index) != (9, 0):
+        return False
+    try:
+        find_nvcc()
+    except RuntimeError:
+        return False
+    return True
+
+
+def hopper_usable(x: torch.Tensor) -> bool:
+    """True where an sm_90a kernel (wgmma, TMA) runs for tensors like ``x``: a Hopper GPU and nvcc to compile it on
+    first use."""
+    return x.is_cuda and _hopper_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def sm_count(device: int) -> int:
+    """The GPU's multiprocessors (a persistent grid's size)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -65,6 +65,7 @@ import functools
 
 import torch
 
+from .cuda_module import hopper_usable
 from .release_format import ceil_div
 
 try:
@@ -104,9 +105,10 @@ if triton is not None:
 
     @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
-                          QDQ: tl.constexpr):
+                          QDQ: tl.constexpr, PERMUTE: tl.constexpr = False):
         # x [M, K] -> q fp8 [M, K] and s fp32 [ceil(K/32), M] (scale-major: the GEMMs read a row tile per K block);
-        # QDQ: q is the quantized values themselves in bf16 (code times scale: exact), no s
+        # QDQ: q is the quantized values themselves in bf16 (code times scale: exact), no s; PERMUTE: q's columns in
+        # the wgmma FP4 kernel's order, input 16t + 4s + 2h + l of each 64 at column 16s + 8h + 2t + l
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * GROUPS * 32 + tl.arange(0, GROUPS * 32)
         live = (rows[:, None] < M) & (cols[None, :] < K)
@@ -120,6 +122,8 @@ if triton is not None:
         q = tl.clamp(x * inverse[:, :, None], -448.0, 448.0).to(tl.float8e4nv)
         if QDQ:
             q = (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16)
+        if PERMUTE:  # [rows, chunk of 64, t, s, h, l] -> [rows, chunk, s, h, t, l], in registers: contiguous stores
+            q = tl.permute(tl.reshape(q, (BLOCK_M, GROUPS // 2, 4, 4, 2, 2)), (0, 1, 3, 4, 2, 5))
         tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], tl.reshape(q, (BLOCK_M, GROUPS * 32)),
                  mask=live)
         if not QDQ:
@@ -493,6 +497,12 @@ DECODED_GEMM_ROWS = 1024
 # expert costs about as much as 100-200 rows of its GEMMs; the FP4 kernels run at 0.38x the bf16 grouped GEMM.
 DECODED_EXPERT_ROWS = 256
 EXPERT_SCRATCH_BYTES = 2 << 30
+# Rows per expert in [lo, hi): the routed experts run on the CUDA wgmma kernel (kernels_fp4_wgmma.py: FP4 decoded in
+# registers into the bf16 tensor cores) where it can (sm_90, nvcc, UE8M0 scales); None: never.  Measured (fp4_wgmma.py,
+# H100): ahead of every other path from one row per expert (384 experts, 192 rows: 1.2x the GEMV kernel) to 1,536
+# (the whole experts block 0.81x bf16 vs 0.70x decoded + torch._grouped_mm); at 64 rows per expert (the released
+# model's prefill, 384 experts) the block is 1.66x the bf16 grouped GEMMs
+WGMMA_EXPERT_ROWS = (1, 2048)
 # (BLOCK_R, BLOCK_H packed bytes, num_warps) of the FP4 decode kernel
 FP4_DECODE_CONFIG = (16, 256, 4)
 
@@ -542,9 +552,12 @@ def _scale_arg(scale: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
     raise TypeError(f"{name} must be float8_e8m0fnu (UE8M0) or float32, got {scale.dtype}")
 
 
-def _act_quant_t(x: torch.Tensor, qdq: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _act_quant_t(x: torch.Tensor, qdq: bool = False, permute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     # x [M, K] -> (codes fp8 [M, K], scales fp32 [ceil(K/32), M]), the FP8 MMA's layout; qdq: (the quantized values
-    # in bf16 [M, K], the same tensor as an unused placeholder), what the bf16 MMA reads
+    # in bf16 [M, K], the same tensor as an unused placeholder), what the bf16 MMA reads; permute (qdq, K a multiple
+    # of 64): the columns in the wgmma FP4 kernel's order
+    if permute and (not qdq or x.shape[1] % 64):
+        raise ValueError(f"the permuted layout holds bf16 values (qdq) of K a multiple of 64, got K={x.shape[1]}")
     x = x.contiguous()
     m, k = x.shape
     codes = torch.empty(m, k, dtype=torch.bfloat16 if qdq else torch.float8_e4m3fn, device=x.device)
@@ -553,7 +566,7 @@ def _act_quant_t(x: torch.Tensor, qdq: bool = False) -> tuple[torch.Tensor, torc
         block_m, groups = 32, 4
         grid = (triton.cdiv(m, block_m), triton.cdiv(k, groups * GROUP))
         _act_quant_kernel[grid](x, codes, scales, m, k, x.stride(0), BLOCK_M=block_m, GROUPS=groups, QDQ=qdq,
-                                num_warps=4)
+                                PERMUTE=permute, num_warps=4)
     return codes, scales
 
 
@@ -802,6 +815,12 @@ def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_s
         return x.new_empty(0, dim, dtype=torch.bfloat16)
     counts = counts.to(x.device)
     rows = rows_per_expert(m, n_experts)
+    if (configs == (None, None) and WGMMA_EXPERT_ROWS and WGMMA_EXPERT_ROWS[0] <= rows < WGMMA_EXPERT_ROWS[1]
+            and e8m0 and e8m0_2
+            and dim % 64 == 0 and inter % 64 == 0 and hopper_usable(x)):
+        from .kernels_fp4_wgmma import fp4_grouped_experts_wgmma
+
+        return fp4_grouped_experts_wgmma(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit)
     if (configs == (None, None) and rows >= DECODED_EXPERT_ROWS
             and not torch.cuda.is_current_stream_capturing()):
         return _decoded_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit)

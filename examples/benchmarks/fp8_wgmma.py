@@ -24,6 +24,7 @@ from quantized_gemm import DENSE
 from variants import fp8_wgmma_kernel as kw
 
 from deepseek_v41 import kernels_quantized as kq
+from deepseek_v41.cuda_module import hopper_usable
 from deepseek_v41.release_format import decode_fp8_blockwise, encode_fp8_blockwise
 
 
@@ -109,7 +110,7 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    if not torch.cuda.is_available() or not kw.wgmma_usable(torch.empty(0, device="cuda")):
+    if not torch.cuda.is_available() or not hopper_usable(torch.empty(0, device="cuda")):
         sys.exit("the wgmma FP8 GEMM needs a Hopper GPU (sm_90) and nvcc")
     configs = [(int(c.split(",")[0]), bool(int(c.split(",")[1])), int(c.split(",")[2])) for c in args.configs]
     lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {' '.join(sys.argv[1:])}"]

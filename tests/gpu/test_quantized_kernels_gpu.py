@@ -232,6 +232,35 @@ def test_fp4_grouped_gemm_against_fp64(n, k, config):
                                            config=config), out32)
 
 
+def hopper():
+    return kq.hopper_usable(torch.empty(0, device="cuda"))
+
+
+@pytest.mark.parametrize("tm", [64, 128, 256])
+@pytest.mark.parametrize("n,k,counts", [(200, 320, [257, 0, 64, 1]), (2304, 5120, [129, 0, 63, 300])])
+def test_fp4_grouped_gemm_wgmma_against_fp64(n, k, counts, tm):
+    if not hopper():
+        pytest.skip("the wgmma FP4 kernel needs an sm_90 GPU and nvcc")
+    from deepseek_v41 import kernels_fp4_wgmma as kw
+
+    gen = torch.Generator(device="cuda").manual_seed(n + tm)
+    codes, scales = fp4_experts(len(counts), n, k, gen)
+    x = torch.randn(sum(counts) + 3, k, device="cuda", generator=gen).bfloat16()  # 3 rows past the groups'
+    xq, _ = kq._act_quant_t(x, qdq=True)
+    xp, _ = kq._act_quant_t(x, qdq=True, permute=True)
+    assert torch.equal(xp, kw.permute_k64(xq))
+    c = torch.tensor(counts, device="cuda")
+    u8 = codes.view(torch.uint8), scales.view(torch.uint8)
+    out32 = kw.fp4_grouped_gemm_wgmma(xp, *u8, c, tm, torch.float32)[: sum(counts)]
+    out = kw.fp4_grouped_gemm_wgmma(xp, *u8, c, tm)[: sum(counts)]
+    ref = torch.cat([r @ decode_fp4_packed(codes[e], scales[e]).double().T
+                     for e, r in enumerate(xq[: sum(counts)].double().split(counts))])
+    err32, err16 = rel_err(out32, ref), rel_err(out, ref)
+    print(f"fp4_grouped_gemm_wgmma {n}x{k} TM={tm}: fp32 out {err32:.2e}, bf16 out {err16:.2e}")
+    gate("fp32_out_vs_fp64", err32, FP32_FLOOR["exact_products"])
+    assert err16 < BF16_ROUNDING
+
+
 def reference_experts(x, counts, weights, w1, w3, w2, limit):
     # the official Expert.forward per expert on the decoded weights: FP8 activations, gate/up rounded to bf16,
     # the model's weighted_swiglu (fp32, one rounding), FP8 again, w2; fp64 matmuls
@@ -263,11 +292,27 @@ def reference_experts(x, counts, weights, w1, w3, w2, limit):
         (COUNTS, 256, 160, 1.0, ((8, 32, 2, 4, 2, 1, 4), (4, 64, 2, 4, 2, 1, 4))),
         # prefill (>= DECODED_EXPERT_ROWS rows per expert): experts decoded to bf16 in chunks, torch._grouped_mm
         ([600, 0, 900, 300, 0, 500, 1, 300], 256, 160, 1.0, (None, None)),
+        # the CUDA wgmma kernel (WGMMA_EXPERT_ROWS), released shapes and small ones, one to 900 rows per expert
+        pytest.param([150, 0, 300, 77], 5120, 2304, 10.0, "wgmma", id="wgmma"),
+        pytest.param([600, 0, 900, 300, 0, 500, 1, 300], 256, 192, 1.0, "wgmma", id="wgmma"),
+        pytest.param([0, 1, 0, 1, 1, 0, 0, 1], 5120, 2304, 10.0, "wgmma", id="wgmma"),
     ],
 )
 def test_fp4_grouped_experts(counts, dim, inter, limit, configs, monkeypatch):
     if kq.rows_per_expert(sum(counts), len(counts)) >= kq.DECODED_EXPERT_ROWS:
         monkeypatch.setattr(kq, "EXPERT_SCRATCH_BYTES", 3 * 2 * 3 * dim * inter)  # chunks of 3 experts
+    if configs != "wgmma":  # the Triton and decoded paths, which the wgmma kernel takes over on Hopper by default
+        monkeypatch.setattr(kq, "WGMMA_EXPERT_ROWS", None)
+    else:
+        if not hopper():
+            pytest.skip("the wgmma FP4 kernel needs an sm_90 GPU and nvcc")
+        from deepseek_v41 import kernels_fp4_wgmma as kw
+
+        calls = []
+        monkeypatch.setattr(kq, "WGMMA_EXPERT_ROWS", (1, 1 << 30))
+        monkeypatch.setattr(kw, "fp4_grouped_gemm_wgmma",
+                            lambda *a, _f=kw.fp4_grouped_gemm_wgmma: calls.append(a[-1]) or _f(*a))
+        configs = (None, None)
     gen = torch.Generator(device="cuda").manual_seed(dim)
     E = len(counts)
     w1, w3, w2 = fp4_experts(E, inter, dim, gen), fp4_experts(E, inter, dim, gen), fp4_experts(E, dim, inter, gen)
@@ -279,6 +324,8 @@ def test_fp4_grouped_experts(counts, dim, inter, limit, configs, monkeypatch):
     def per(w):
         return [(w[0][e], w[1][e]) for e in range(E)]
 
+    if configs == (None, None) and kq.WGMMA_EXPERT_ROWS == (1, 1 << 30):
+        assert len(calls) == 3  # gate, up, down through the wgmma kernel
     ref = reference_experts(x, counts, weights, per(w1), per(w3), per(w2), limit)
     err = rel_err(out, ref)
     # the same FP8 path in another summation order: gate/up bf16 roundings and then h's FP8 codes can flip

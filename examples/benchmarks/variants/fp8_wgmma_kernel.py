@@ -29,7 +29,17 @@ import functools
 
 import torch
 
-from deepseek_v41.cuda_module import CudaKernel, _check, _lib, compile_cubin, find_nvcc
+from deepseek_v41.cuda_module import (
+    HOPPER_PTX,
+    TMA_FLOAT32,
+    TMA_SWIZZLE_128B,
+    TMA_SWIZZLE_NONE,
+    TMA_UINT8,
+    CudaKernel,
+    compile_cubin,
+    sm_count,
+    tensor_map_2d,
+)
 
 BLOCK_M, BLOCK_K = 128, 128  # CTA rows; BLOCK_K bytes of FP8 per row = the 128-byte swizzle span
 CONFIG = (128, False, 6)  # (BLOCK_N, two partial accumulators a warpgroup, stages): fastest or near it on every shape
@@ -53,10 +63,10 @@ def _wgmma(n: int) -> str:
 def _source(bn: int, double: bool, stages: int, out_f32: bool, no_promote: bool = False) -> str:
     head = (f"#define BN {bn}\n#define DOUBLE {int(double)}\n#define STAGES {stages}\n#define OUT_F32 {int(out_f32)}\n"
             f"#define NO_PROMOTE {int(no_promote)}\n")
-    return head + _COMMON + _wgmma(bn) + _KERNEL
+    return head + _DEFINES + HOPPER_PTX + _wgmma(bn) + _KERNEL
 
 
-_COMMON = r"""
+_DEFINES = r"""
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -71,43 +81,6 @@ _COMMON = r"""
 #else
 #define OUT_T __nv_bfloat16
 #endif
-
-struct __align__(64) TensorMap { unsigned long long opaque[16]; };
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile("{\n.reg .pred P;\nWAIT_%=:\n"
-               "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
-               "@!P bra WAIT_%=;\n}\n" :: "r"(smem_u32(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, uint64_t* bar, int x, int y) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-               :: "r"(smem_u32(dst)), "l"((uint64_t)map), "r"(smem_u32(bar)), "r"(x), "r"(y) : "memory");
-}
-// K-major operand tile with 128-byte swizzle: rows of 128 bytes, 8-row (1024-byte) swizzle atoms
-__device__ __forceinline__ uint64_t smem_desc(const void* p) {
-  uint64_t addr = smem_u32(p);
-  return ((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_regs(float* d) {
-#pragma unroll
-  for (int i = 0; i < ACC; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
-}
 """
 
 _KERNEL = r"""
@@ -291,59 +264,11 @@ fp8_gemm_wgmma(const __grid_constant__ TensorMap tma_a, const __grid_constant__ 
 """
 
 
-class _TensorMap(ctypes.Structure):
-    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
-
-
-def _tensor_map(t: torch.Tensor, box: tuple[int, int], dtype_code: int, swizzle: int) -> _TensorMap:
-    """A TMA descriptor over a row-major 2-D tensor: boxes of box = (inner, outer) elements, zeros outside."""
-    fn = _lib().cuTensorMapEncodeTiled
-    fn.restype = ctypes.c_int
-    rows, inner = t.shape
-    raw = (ctypes.c_uint8 * (ctypes.sizeof(_TensorMap) + 64))()  # the driver writes to a 64-byte aligned address
-    aligned = (ctypes.addressof(raw) + 63) // 64 * 64
-    # interleave none (0), L2 promotion 256B (3), out-of-bounds fill zeros (0)
-    _check("cuTensorMapEncodeTiled", fn(
-        ctypes.c_void_p(aligned), ctypes.c_int(dtype_code), ctypes.c_uint32(2), ctypes.c_void_p(t.data_ptr()),
-        (ctypes.c_uint64 * 2)(inner, rows), (ctypes.c_uint64 * 1)(t.stride(0) * t.element_size()),
-        (ctypes.c_uint32 * 2)(*box), (ctypes.c_uint32 * 2)(1, 1), ctypes.c_int(0), ctypes.c_int(swizzle),
-        ctypes.c_int(3), ctypes.c_int(0)))
-    out = _TensorMap()
-    ctypes.memmove(ctypes.addressof(out), aligned, ctypes.sizeof(_TensorMap))
-    return out
-
-
-_UINT8, _FLOAT32 = 0, 7  # CUtensorMapDataType
-_SWIZZLE_NONE, _SWIZZLE_128B = 0, 3
-
-
 @functools.cache
 def _kernel(bn: int, double: bool, stages: int, out_f32: bool, no_promote: bool = False) -> CudaKernel:
     smem = stages * ((BLOCK_M + bn) * BLOCK_K + 4 * BLOCK_M * 4) + 2 * stages * 8 + 1024
     source = _source(bn, double, stages, out_f32, no_promote)
     return CudaKernel(compile_cubin(source, [], arch="sm_90a"), "fp8_gemm_wgmma", smem)
-
-
-@functools.cache
-def _device_usable(index: int) -> bool:
-    if torch.cuda.get_device_capability(index) != (9, 0):
-        return False
-    try:
-        find_nvcc()
-    except RuntimeError:
-        return False
-    return True
-
-
-def wgmma_usable(x: torch.Tensor) -> bool:
-    """True where ``fp8_gemm_wgmma`` runs for tensors like ``x``: a Hopper GPU (sm_90; wgmma and TMA) and nvcc to
-    compile the kernel on first use."""
-    return x.is_cuda and _device_usable(x.device.index if x.device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fp8_gemm_wgmma(a: torch.Tensor, a_scale_t: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -370,9 +295,9 @@ def fp8_gemm_wgmma(a: torch.Tensor, a_scale_t: torch.Tensor, b: torch.Tensor, b_
     bn, double, stages = config
     tiles = -(-m // BLOCK_M) * -(-n // bn)
     kernel = _kernel(bn, double, stages, out_dtype == torch.float32, _no_promote)
-    kernel.launch((min(tiles, _sm_count(a.device.index)),), (THREADS,), [
-        _tensor_map(a, (BLOCK_K, BLOCK_M), _UINT8, _SWIZZLE_128B),
-        _tensor_map(b, (BLOCK_K, bn), _UINT8, _SWIZZLE_128B),
-        _tensor_map(a_scale_t, (BLOCK_M, 4), _FLOAT32, _SWIZZLE_NONE), b_scale, out,
+    kernel.launch((min(tiles, sm_count(a.device.index)),), (THREADS,), [
+        tensor_map_2d(a, (BLOCK_K, BLOCK_M), TMA_UINT8, TMA_SWIZZLE_128B),
+        tensor_map_2d(b, (BLOCK_K, bn), TMA_UINT8, TMA_SWIZZLE_128B),
+        tensor_map_2d(a_scale_t, (BLOCK_M, 4), TMA_FLOAT32, TMA_SWIZZLE_NONE), b_scale, out,
         ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(k), ctypes.c_int32(b_scale.stride(0))])
     return out
