@@ -26,7 +26,9 @@ block (architecture.md §4, §6).  These functions do the same on the GPU withou
   [E, inter, dim/32], w2 codes [E, dim, inter/2] with scales [E, dim, inter/32] -> bf16 [m, dim].  As the
   official ``Expert.forward``: x -> FP8 (groups of 32), gate and up rounded to bf16, fp32 clamped SwiGLU times
   the routing weight, rounded to bf16, -> FP8 again, -> w2.  Gate and up come out of one kernel (both GEMMs
-  share the activation tiles) with the SwiGLU in its epilogue.
+  share the activation tiles) with the SwiGLU in its epilogue.  On Hopper with nvcc, for 1 to 2,047 rows per expert
+  (``WGMMA_EXPERT_ROWS``), the three GEMMs run on the CUDA kernel of ``kernels_fp4_wgmma.py`` instead (codes decoded
+  in registers into wgmma's register operand), the SwiGLU between them.
 
 ``quantized_gemm_usable(x)`` says whether these kernels can run for ``x`` (CUDA, Triton, FP8 tensor cores: compute
 capability 8.9 or newer).  Elsewhere the callers (``kept.py``) decode one weight tile at a time instead.
