@@ -26,9 +26,10 @@ block (architecture.md §4, §6).  These functions do the same on the GPU withou
   [E, inter, dim/32], w2 codes [E, dim, inter/2] with scales [E, dim, inter/32] -> bf16 [m, dim].  As the
   official ``Expert.forward``: x -> FP8 (groups of 32), gate and up rounded to bf16, fp32 clamped SwiGLU times
   the routing weight, rounded to bf16, -> FP8 again, -> w2.  Gate and up come out of one kernel (both GEMMs
-  share the activation tiles) with the SwiGLU in its epilogue.  On Hopper with nvcc, for 1 to 2,047 rows per expert
-  (``WGMMA_EXPERT_ROWS``), the three GEMMs run on the CUDA kernel of ``kernels_fp4_wgmma.py`` instead (codes decoded
-  in registers into wgmma's register operand), the SwiGLU between them.
+  share the activation tiles) with the SwiGLU in its epilogue.  On Hopper with nvcc, for 2 to 2,047 rows per expert
+  (``WGMMA_EXPERT_ROWS``; one row per expert from ``WGMMA_SINGLE_ROWS`` rows routed), the three GEMMs run on the CUDA
+  kernel of ``kernels_fp4_wgmma.py`` instead (codes decoded in registers into wgmma's register operand), the SwiGLU
+  between them.
 
 ``quantized_gemm_usable(x)`` says whether these kernels can run for ``x`` (CUDA, Triton, FP8 tensor cores: compute
 capability 8.9 or newer).  Elsewhere the callers (``kept.py``) decode one weight tile at a time instead.
@@ -501,10 +502,13 @@ DECODED_EXPERT_ROWS = 256
 EXPERT_SCRATCH_BYTES = 2 << 30
 # Rows per expert in [lo, hi): the routed experts run on the CUDA wgmma kernel (kernels_fp4_wgmma.py: FP4 decoded in
 # registers into the bf16 tensor cores) where it can (sm_90, nvcc, UE8M0 scales); None: never.  Measured (fp4_wgmma.py,
-# H100): ahead of every other path from one row per expert (384 experts, 192 rows: 1.2x the GEMV kernel) to 1,536
-# (the whole experts block 0.81x bf16 vs 0.70x decoded + torch._grouped_mm); at 64 rows per expert (the released
-# model's prefill, 384 experts) the block is 1.66x the bf16 grouped GEMMs
-WGMMA_EXPERT_ROWS = (1, 2048)
+# kept_proxy.py, H100): ahead of the other paths from 2 rows per expert (6 rows over 32 experts: 1.43x bf16 vs the
+# Triton kernel's 1.39x) to 1,536 (the whole experts block 0.81x bf16 vs 0.70x decoded + torch._grouped_mm); at 64 rows
+# per expert (the released model's prefill, 384 experts) the block is 1.66x the bf16 grouped GEMMs.  At one row per
+# expert only when at least WGMMA_SINGLE_ROWS rows are routed: with most of 384 experts live (192 rows) it is 1.19x the
+# GEMV kernel, with 6 rows over 32 experts (one token) the GEMV's split K is ahead (kept proxy b1 3.89 vs 4.05 ms)
+WGMMA_EXPERT_ROWS = (2, 2048)
+WGMMA_SINGLE_ROWS = 128
 # (BLOCK_R, BLOCK_H packed bytes, num_warps) of the FP4 decode kernel
 FP4_DECODE_CONFIG = (16, 256, 4)
 
@@ -817,9 +821,10 @@ def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_s
         return x.new_empty(0, dim, dtype=torch.bfloat16)
     counts = counts.to(x.device)
     rows = rows_per_expert(m, n_experts)
-    if (configs == (None, None) and WGMMA_EXPERT_ROWS and WGMMA_EXPERT_ROWS[0] <= rows < WGMMA_EXPERT_ROWS[1]
-            and e8m0 and e8m0_2
-            and dim % 64 == 0 and inter % 64 == 0 and hopper_usable(x)):
+    lo, hi = WGMMA_EXPERT_ROWS or (0, 0)
+    wgmma_rows = (rows >= lo or m >= WGMMA_SINGLE_ROWS) and rows < hi
+    if (configs == (None, None) and wgmma_rows and e8m0 and e8m0_2 and dim % 64 == 0 and inter % 64 == 0
+            and hopper_usable(x)):
         from .kernels_fp4_wgmma import fp4_grouped_experts_wgmma
 
         return fp4_grouped_experts_wgmma(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit)
