@@ -8,9 +8,10 @@ qdq=True)``): every product is exact, as in the FP8 x FP4 GEMM the official code
 over all of K with no per-32 promotion (a weight's scale is applied when its code is decoded, which is exact too).
 
 The tile is swapped: the weights are wgmma's A (64 rows a warpgroup, from registers, where they are decoded), the
-tokens its N (``TM`` = 64, 128 or 256 rows of one group), so a decoded weight value serves ``TM`` tokens.  Decoding a
-byte is three byte permutes on two 8-entry tables (magnitudes), a permute and a logic op (signs) and a bf16x2
-multiply by the scale, about 23 instructions for 8 weights.  A thread's A fragment for four k16 steps then comes from
+tokens its N (``TM`` = 64, 128 or 256 rows of one group), so a decoded weight value serves ``TM`` tokens.  Decoding
+four code bytes (8 weights) takes byte permutes on two 8-entry tables (the magnitudes' low and high bf16 bytes), one
+to interleave them and one plus a logic op per pair for the signs, and a bf16x2 multiply by the scale per pair: about
+23 instructions.  A thread's A fragment for four k16 steps then comes from
 eight consecutive code bytes of each of its two rows if the activations' columns are permuted within each 64:
 ``permute_k64(x)`` (column 16s + 8h + 2t + l holds input 16t + 4s + 2h + l), so the sum is the same and a thread's
 16 inputs share one 32-wide scale block.
@@ -28,8 +29,8 @@ Measured on an H100 (examples/benchmarks/fp4_wgmma.py, CUDA-graph replays, the w
 1.04x / 0.95x / 0.87x the bf16 ``torch._grouped_mm`` at 128 / 256 / 512 / 1,024 rows per expert (32 experts), 1.39x at
 128 rows over 384 experts, 1.43x / 1.67x at decode sizes (6 rows over 32 experts / 1 row over 384); in the same runs
 decoding the experts to bf16 first reaches 0.21-0.74x and the Triton kernels 0.39-0.83x (1.39x / 1.40x at the decode
-sizes).  The whole experts block at the released model's prefill (384 experts, 64 rows each): 1.66x bf16.  The decode costs about 23
-issue slots per 8 weights a token tile, so below 128 rows per tile the MMAs wait on it and the other warpgroup.
+sizes).  The whole experts block at the released model's prefill (384 experts, 64 rows each): 1.66x bf16.  The
+decode costs about 23 issue slots per 8 weights a token tile, so below 128 rows per tile the MMAs wait on it.
 """
 
 from __future__ import annotations
