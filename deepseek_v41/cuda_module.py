@@ -391,6 +391,16 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
                "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
                "@!P bra WAIT_%=;\n}\n" :: "r"(smem_u32(bar)), "r"(parity) : "memory");
 }
+// a producer/consumer ring of `stages` buffers: full[s] completes on the producer's one arrival plus the TMA bytes,
+// empty[s] on one arrival per math warp (two warpgroups); made visible to the async proxy before any thread uses them
+__device__ __forceinline__ void init_stage_barriers(uint64_t* full, uint64_t* empty, int stages) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 8); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+}
 __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, uint64_t* bar, int x, int y) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
                :: "r"(smem_u32(dst)), "l"((uint64_t)map), "r"(smem_u32(bar)), "r"(x), "r"(y) : "memory");

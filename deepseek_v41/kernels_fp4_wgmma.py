@@ -51,6 +51,7 @@ from .cuda_module import (
     sm_count,
     tensor_map_2d,
 )
+from .kernels_quantized import _act_quant_t, group_starts, rows_per_expert
 
 BLOCK_N, BLOCK_K = 128, 64  # weight rows a CTA (two math warpgroups); K a stage (64 bf16 = one 128-byte row)
 STAGES = {64: 10, 128: 8, 256: 5}  # token tile -> pipeline stages (shared memory: TM * 128 + 4096 bytes each)
@@ -156,12 +157,7 @@ fp4_grouped_wgmma(const __grid_constant__ TensorMap tma_x, const __grid_constant
   const int n_tiles = (N + BN - 1) / BN, k_stages = K / BK, KB = K / 32;
   const int wg = threadIdx.x / 128;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 8); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_barriers(full, empty, STAGES);
 
   if (wg == 0) {  // producer: one thread streams the stages of every tile this CTA takes
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -265,9 +261,10 @@ def token_tile(rows_per_group: int) -> int:
 
 
 def fp4_grouped_gemm_wgmma(x_perm: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor,
-                           tm: int = 256, out_dtype=torch.bfloat16) -> torch.Tensor:
+                           tm: int = 256, out_dtype=torch.bfloat16, starts=None) -> torch.Tensor:
     """x_perm bf16 [M, K] (``permute_k64`` of the activations' FP8 values, rows sorted by group), codes uint8
-    [G, N, K/2], scales uint8 E8M0 [G, N, K/32], counts int [G] -> [M, N] (rows past sum(counts) left unwritten)."""
+    [G, N, K/2], scales uint8 E8M0 [G, N, K/32], counts int [G] -> [M, N] (rows past sum(counts) left unwritten).
+    ``starts``: ``group_starts(counts, tm)`` when the caller already has it (several GEMMs on one routing)."""
     m, k = x_perm.shape
     g, n = codes.shape[0], codes.shape[1]
     if k % 64 or tuple(codes.shape) != (g, n, k // 2) or tuple(scales.shape) != (g, n, k // 32):
@@ -278,11 +275,7 @@ def fp4_grouped_gemm_wgmma(x_perm: torch.Tensor, codes: torch.Tensor, scales: to
     if tm not in STAGES:
         raise ValueError(f"token tile {tm} is not one of {sorted(STAGES)}")
     out = torch.empty(m, n, dtype=out_dtype, device=x_perm.device)
-    counts = counts.to(device=x_perm.device, dtype=torch.int32)
-    row_start = torch.zeros(g + 1, dtype=torch.int32, device=x_perm.device)
-    torch.cumsum(counts, 0, out=row_start[1:])
-    tile_start = torch.zeros_like(row_start)
-    torch.cumsum(torch.div(counts + (tm - 1), tm, rounding_mode="floor"), 0, out=tile_start[1:])
+    row_start, tile_start = starts if starts is not None else group_starts(counts.to(x_perm.device), tm)
     n_tiles = -(-n // BLOCK_N)
     upper = (-(-m // tm) + g) * n_tiles  # a bound on the tiles without a host sync
     x_perm, codes, scales = x_perm.contiguous(), codes.contiguous(), scales.contiguous()
@@ -298,13 +291,13 @@ def fp4_grouped_gemm_wgmma(x_perm: torch.Tensor, codes: torch.Tensor, scales: to
 def fp4_grouped_experts_wgmma(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit: float):
     """``kernels_quantized.fp4_grouped_experts`` with the three GEMMs on this kernel: x bf16 [m, dim] sorted by
     expert, counts [E], routing weights fp32 [m], codes/scales as stored -> bf16 [m, dim]."""
-    from .kernels_quantized import _act_quant_t, rows_per_expert
     from .kernels_triton import weighted_swiglu_triton
 
     tm = token_tile(rows_per_expert(x.shape[0], w1.shape[0]))
+    starts = group_starts(counts.to(x.device), tm)  # one routing, three GEMMs
     u8 = [t.view(torch.uint8) for t in (w1, w1_scale, w3, w3_scale, w2, w2_scale)]
     a, _ = _act_quant_t(x, qdq=True, permute=True)
-    gate = fp4_grouped_gemm_wgmma(a, u8[0], u8[1], counts, tm)
-    up = fp4_grouped_gemm_wgmma(a, u8[2], u8[3], counts, tm)
+    gate = fp4_grouped_gemm_wgmma(a, u8[0], u8[1], counts, tm, starts=starts)
+    up = fp4_grouped_gemm_wgmma(a, u8[2], u8[3], counts, tm, starts=starts)
     h, _ = _act_quant_t(weighted_swiglu_triton(gate, up, weights.float(), limit), qdq=True, permute=True)
-    return fp4_grouped_gemm_wgmma(h, u8[4], u8[5], counts, tm)
+    return fp4_grouped_gemm_wgmma(h, u8[4], u8[5], counts, tm, starts=starts)

@@ -588,6 +588,17 @@ def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales.t()
 
 
+def group_starts(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts int [G] rows per group -> (row_start, tile_start) int32 [G+1]: each group's first row and its first tile
+    of block_m rows, cumulative, computed where counts lives (no host sync); the grouped kernels search them."""
+    counts = counts.to(torch.int32)
+    row_start = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts, 0, out=row_start[1:])
+    tile_start = torch.zeros_like(row_start)
+    torch.cumsum(torch.div(counts + (block_m - 1), block_m, rounding_mode="floor"), 0, out=tile_start[1:])
+    return row_start, tile_start
+
+
 def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_rows, config, strides, counts=None,
             swiglu=None):
     """One ``_scaled_gemm_kernel`` launch: activations from ``_act_quant_t(x, qdq=config's MMA >= 1)`` x weight
@@ -600,10 +611,7 @@ def _launch(a, a_scale_t, b, b_scale, out_dtype, *, n, k, b_fp4, bs_e8m0, bs_row
         tile_start = row_start = b_scale  # unused
     else:
         n_groups = counts.numel()
-        row_start = torch.zeros(n_groups + 1, dtype=torch.int32, device=a.device)
-        torch.cumsum(counts, 0, out=row_start[1:])
-        tile_start = torch.zeros_like(row_start)
-        torch.cumsum(torch.div(counts + (block_m - 1), block_m, rounding_mode="floor"), 0, out=tile_start[1:])
+        row_start, tile_start = group_starts(counts, block_m)
         # an upper bound on the row tiles without a host sync: each group's tiles plus one partial tile per group,
         # and never more tiles than rows (a tile holds at least one)
         tiles_m = min(triton.cdiv(m, block_m) + n_groups, m)

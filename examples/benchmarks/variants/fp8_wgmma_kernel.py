@@ -149,12 +149,7 @@ fp8_gemm_wgmma(const __grid_constant__ TensorMap tma_a, const __grid_constant__ 
   const int k_stages = (K + BK - 1) / BK, NB = (N + 31) / 32;
   const int wg = threadIdx.x / 128;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 8); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_barriers(full, empty, STAGES);
 
   if (wg == 0) {  // producer: one thread streams the stages of every tile this CTA takes
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
