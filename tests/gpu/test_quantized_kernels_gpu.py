@@ -311,7 +311,7 @@ def test_fp4_grouped_experts(counts, dim, inter, limit, configs, monkeypatch):
         calls = []
         monkeypatch.setattr(kq, "WGMMA_EXPERT_ROWS", (1, 1 << 30))
         monkeypatch.setattr(kw, "fp4_grouped_gemm_wgmma",
-                            lambda *a, _f=kw.fp4_grouped_gemm_wgmma: calls.append(a[-1]) or _f(*a))
+                            lambda *a, _f=kw.fp4_grouped_gemm_wgmma, **kws: calls.append(a[-1]) or _f(*a, **kws))
         configs = (None, None)
     gen = torch.Generator(device="cuda").manual_seed(dim)
     E = len(counts)
