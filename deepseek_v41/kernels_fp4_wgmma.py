@@ -18,8 +18,8 @@ eight consecutive code bytes of each of its two rows if the activations' columns
 
 Layout: a persistent grid over (group, token tile, 128 weight rows) tiles, found on the GPU from the per-group tile
 offsets (no host sync); warpgroup 0 is the TMA producer (activation tile [TM, 64] bf16 in the 128-byte swizzle,
-code tile [128, 32] bytes), warpgroups 1-2 decode their 64 rows and multiply, each stage's decode running while the
-other warpgroup's MMAs do.
+code tile [128, 32] bytes), warpgroups 1-2 decode their 64 rows and multiply.  A warpgroup holds two A buffers, so a
+stage's decode runs while its previous stage's MMAs do (and the other warpgroup's).
 
     fp4_grouped_gemm_wgmma(x_perm bf16 [M, K], codes uint8 [G, N, K/2], scales uint8 [G, N, K/32], counts [G])
         -> bf16 or fp32 [M, N]
@@ -30,7 +30,10 @@ Measured on an H100 (examples/benchmarks/fp4_wgmma.py, CUDA-graph replays, the w
 128 rows over 384 experts, 1.43x / 1.67x at decode sizes (6 rows over 32 experts / 1 row over 384); in the same runs
 decoding the experts to bf16 first reaches 0.21-0.74x and the Triton kernels 0.39-0.83x (1.39x / 1.40x at the decode
 sizes).  The whole experts block at the released model's prefill (384 experts, 64 rows each): 1.66x bf16.  The
-decode costs about 23 issue slots per 8 weights a token tile, so below 128 rows per tile the MMAs wait on it.
+decode costs about 23 issue slots per 8 weights a token tile, so below 128 rows per tile the MMAs wait on it.  The
+second A buffer (against waiting for each stage's MMAs before the next decode), same run, random codes: 702 -> 733
+TFLOP/s (w1/w3, 1,536 rows per expert), 644 -> 652 (w2), 304 -> 337 (64 rows over 384 experts); without the decode
+the pipeline reaches 780, without the epilogue 750.
 """
 
 from __future__ import annotations
@@ -118,10 +121,6 @@ __device__ __forceinline__ void decode4(uint32_t w, uint32_t scale, uint32_t* v)
   v[2] = mul_bf16x2(prmt(lo23, hi23, 0x5140) | (prmt(w4, w, 0x6222) & 0x80008000u), scale);
   v[3] = mul_bf16x2(prmt(lo23, hi23, 0x7362) | (prmt(w4, w, 0x7333) & 0x80008000u), scale);
 }
-template <int R> __device__ __forceinline__ void fence_u32(uint32_t (&a)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(a[i]) :: "memory");
-}
 
 // tile -> (group, its first row, rows left from there, first weight row); tiles run token-tile major, so the CTAs
 // running together share a group's weight tiles (in L2)
@@ -181,20 +180,26 @@ fp4_grouped_wgmma(const __grid_constant__ TensorMap tma_x, const __grid_constant
   const int mw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, t = lane % 4;
   const int row = mw * 64 + warp * 16 + lane / 4;  // this thread's weight rows in the tile: row, row + 8
   float acc[ACC];
-  uint32_t a[16];
+  uint32_t a0[16], a1[16];  // two A buffers: a stage's decode writes one while the previous stage's MMAs read the other
   int j = 0, g, r0, rows, n0;
   for (int tile = blockIdx.x; tile < tiles_upper; tile += gridDim.x) {
     if (!tile_of(tile, n_tiles, G, tile_start, row_start, g, r0, rows, n0)) break;
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
-    // this thread's scale bytes: rows row and row + 8 (clamped inside the group), block 2 ks + t / 2 of stage ks
+    // this thread's scale bytes: rows row and row + 8 (clamped inside the group), block 2 ks + t / 2 of stage ks,
+    // read two stages ahead of their use (e: this stage's, f: the next one's)
     const unsigned char* sc0 = scales + ((size_t)g * N + min(n0 + row, N - 1)) * KB + t / 2;
     const unsigned char* sc1 = scales + ((size_t)g * N + min(n0 + row + 8, N - 1)) * KB + t / 2;
-    uint32_t e0 = __ldg(sc0), e1 = __ldg(sc1);
-    for (int ks = 0; ks < k_stages; ++ks, ++j) {
+    uint32_t e0 = __ldg(sc0), e1 = __ldg(sc1), f0 = e0, f1 = e1;
+    if (k_stages > 1) { f0 = __ldg(sc0 + 2); f1 = __ldg(sc1 + 2); }
+    int ks = 0, prev = -1;
+    // one stage: decode into a, issue its four MMAs, then wait for the previous stage's (whose buffer the next
+    // stage's decode overwrites) and hand that stage's shared memory back to the producer
+    auto stage = [&](uint32_t (&a)[16]) {
       const int s = j % STAGES;
       const uint32_t scale0 = scale_pair(e0), scale1 = scale_pair(e1);
-      if (ks + 1 < k_stages) { e0 = __ldg(sc0 + 2 * (ks + 1)); e1 = __ldg(sc1 + 2 * (ks + 1)); }
+      e0 = f0; e1 = f1;
+      if (ks + 2 < k_stages) { f0 = __ldg(sc0 + 2 * (ks + 2)); f1 = __ldg(sc1 + 2 * (ks + 2)); }
       mbar_wait(&full[s], (j / STAGES) & 1);
       // this thread's 8 code bytes of rows row and row + 8 -> the four k16 steps' A fragments (row, cols 2t..;
       // row + 8, cols 2t..; row, cols 2t + 8..; row + 8, cols 2t + 8..)
@@ -208,17 +213,20 @@ fp4_grouped_wgmma(const __grid_constant__ TensorMap tma_x, const __grid_constant
         a[4 * k16 + 0] = vg[2 * k16]; a[4 * k16 + 1] = vh[2 * k16];
         a[4 * k16 + 2] = vg[2 * k16 + 1]; a[4 * k16 + 3] = vh[2 * k16 + 1];
       }
-      // the MMAs complete before the next stage's decode writes their registers (ptxas serializes an MMA whose
-      // register operands are written while MMAs are in flight); the other warpgroup's MMAs fill the gap
       wgmma_fence();
       const unsigned char* x = sX + s * TM * 128;
 #pragma unroll
       for (int k16 = 0; k16 < 4; ++k16) wgmma_rs(acc, a + 4 * k16, smem_desc(x + 32 * k16));
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_u32(a);
-      if (lane == 0) mbar_arrive(&empty[s]);
-    }
+      wgmma_wait<1>();
+      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      prev = s; ++ks; ++j;
+    };
+    // the buffers alternate in a loop unrolled by two (a register array cannot be picked at run time)
+    while (ks + 2 <= k_stages) { stage(a0); stage(a1); }
+    if (ks < k_stages) stage(a0);
+    wgmma_wait<0>();
+    if (lane == 0) mbar_arrive(&empty[prev]);
     fence_regs(acc);
     // epilogue: D[weight row, token] -> out[token, weight row]
 #pragma unroll
