@@ -32,7 +32,14 @@ import torch
 from torch import nn
 
 from .engram_host import EngramTable
-from .moe import RoutedExperts, fused_weighted_swiglu, weighted_swiglu
+from .moe import (
+    RoutedExperts,
+    combine_top_k,
+    dispatch_top_k,
+    fused_weighted_swiglu,
+    sort_by_expert,
+    weighted_swiglu,
+)
 from .release_format import ceil_div, decode_fp4_packed, decode_fp8_row_scaled, take_rows
 
 logger = logging.getLogger(__name__)
@@ -277,6 +284,22 @@ class KeptFp4Experts(RoutedExperts):
 
     def _apply(self, fn, recurse=True):
         return super()._apply(_keep_dtypes(fn), recurse)
+
+    def forward(self, x, expert_ids, weights, shared=None) -> torch.Tensor:
+        # RoutedExperts.forward; where the experts run on the wgmma kernel, x [n, dim] is quantized (FP8 values in
+        # the kernel's column order) before its rows are copied to their k experts: k times fewer rows to quantize
+        kernels = quantized_kernels(x)
+        if (self.dispatcher is not None or kernels is None or self.w1_scale.dtype != torch.float8_e8m0fnu
+                or self.w2_scale.dtype != torch.float8_e8m0fnu
+                or not kernels.fp4_experts_on_wgmma(x, expert_ids.numel(), self.w1, self.w2)):
+            return super().forward(x, expert_ids, weights, shared)
+        _refuse_training(self)
+        n, k = expert_ids.shape
+        order, counts = sort_by_expert(expert_ids, self.n_experts)
+        y = kernels.fp4_grouped_experts(dispatch_top_k(kernels.quantize_for_wgmma(x), order, k), counts,
+                                        weights.flatten()[order], self.w1, self.w1_scale, self.w3, self.w3_scale,
+                                        self.w2, self.w2_scale, self.limit, x_quantized=True)
+        return combine_top_k(y, order, n, k, shared)
 
     def grouped_forward(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x [m, dim] sorted by expert, counts [E], weights fp32 [m] -> [m, dim] in x.dtype

@@ -19,11 +19,13 @@ eight consecutive code bytes of each of its two rows if the activations' columns
 Layout: a persistent grid over (group, token tile, 128 weight rows) tiles, found on the GPU from the per-group tile
 offsets (no host sync); warpgroup 0 is the TMA producer (activation tile [TM, 64] bf16 in the 128-byte swizzle,
 code tile [128, 32] bytes), warpgroups 1-2 decode their 64 rows and multiply.  A warpgroup holds two A buffers, so a
-stage's decode runs while its previous stage's MMAs do (and the other warpgroup's).
+stage's decode runs while its previous stage's MMAs do (and the other warpgroup's).  The bf16 epilogue transposes
+each 8 x 8 block of the accumulators in registers (movmatrix) so a thread stores 4 consecutive rows of one token.
 
     fp4_grouped_gemm_wgmma(x_perm bf16 [M, K], codes uint8 [G, N, K/2], scales uint8 [G, N, K/32], counts [G])
         -> bf16 or fp32 [M, N]
-    fp4_grouped_experts_wgmma(...): kernels_quantized.fp4_grouped_experts on it (gate, up, SwiGLU, down)
+    fp4_grouped_experts_wgmma(...): kernels_quantized.fp4_grouped_experts on it (gate, up, SwiGLU fused with w2's
+        activation quantization, down)
 
 Measured on an H100 (examples/benchmarks/fp4_wgmma.py, CUDA-graph replays, the w1/w3 shape 5120 -> 2304): 1.44x /
 1.04x / 0.95x / 0.87x the bf16 ``torch._grouped_mm`` at 128 / 256 / 512 / 1,024 rows per expert (32 experts), 1.39x at
@@ -33,7 +35,8 @@ sizes).  The whole experts block at the released model's prefill (384 experts, 6
 decode costs about 23 issue slots per 8 weights a token tile, so below 128 rows per tile the MMAs wait on it.  The
 second A buffer (against waiting for each stage's MMAs before the next decode), same run, random codes: 702 -> 733
 TFLOP/s (w1/w3, 1,536 rows per expert), 644 -> 652 (w2), 304 -> 337 (64 rows over 384 experts); without the decode
-the pipeline reaches 780, without the epilogue 750.
+the pipeline reaches 780, without the epilogue 750.  The transposed epilogue stores (against one 2-byte store per
+value), same run, 1,536 rows per expert: w1/w3 621 -> 638 TFLOP/s, w2 554 -> 582.
 """
 
 from __future__ import annotations
@@ -97,6 +100,18 @@ _KERNEL = r"""
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+// two fp32 -> a bf16 pair (a in the low half)
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(b), "f"(a));
+  return d;
+}
+// an 8 x 8 matrix of 16-bit values over a warp (lane holds row lane / 4, columns 2 (lane % 4), +1) -> its transpose
+__device__ __forceinline__ uint32_t movmatrix_t(uint32_t a) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
   return d;
 }
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
@@ -229,6 +244,26 @@ fp4_grouped_wgmma(const __grid_constant__ TensorMap tma_x, const __grid_constant
     if (lane == 0) mbar_arrive(&empty[prev]);
     fence_regs(acc);
     // epilogue: D[weight row, token] -> out[token, weight row]
+#if !OUT_F32
+    if ((N & 3) == 0) {
+      // bf16 rows of 8 bytes: per 8 tokens, the two 8 x 8 blocks (rows +0..7, +8..15 of the warp's 16) transposed in
+      // registers (movmatrix: this thread then holds token lane / 4, rows 2t, 2t + 1 of each) and one exchange with
+      // the neighbouring lane give each thread 4 consecutive rows of one token, so a warp's store writes 8 tokens x
+      // 32 bytes (whole sectors) instead of 32 scattered 2-byte values
+      const int n = n0 + mw * 64 + warp * 16 + ((t & 1) ? 8 + 2 * (t - 1) : 2 * t);
+#pragma unroll
+      for (int f = 0; f < TM / 8; ++f) {
+        const uint32_t b0 = movmatrix_t(pack_bf16(acc[4 * f + 0], acc[4 * f + 1]));
+        const uint32_t b1 = movmatrix_t(pack_bf16(acc[4 * f + 2], acc[4 * f + 3]));
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, (t & 1) ? b0 : b1, 1);
+        const int tok = f * 8 + lane / 4;
+        if (tok < rows && n < N)
+          *reinterpret_cast<uint2*>(out + (size_t)(r0 + tok) * N + n) = (t & 1) ? make_uint2(got, b1)
+                                                                               : make_uint2(b0, got);
+      }
+      continue;
+    }
+#endif
 #pragma unroll
     for (int f = 0; f < TM / 8; ++f) {
 #pragma unroll
@@ -296,16 +331,17 @@ def fp4_grouped_gemm_wgmma(x_perm: torch.Tensor, codes: torch.Tensor, scales: to
     return out
 
 
-def fp4_grouped_experts_wgmma(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit: float):
+def fp4_grouped_experts_wgmma(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit: float,
+                              x_quantized: bool = False):
     """``kernels_quantized.fp4_grouped_experts`` with the three GEMMs on this kernel: x bf16 [m, dim] sorted by
-    expert, counts [E], routing weights fp32 [m], codes/scales as stored -> bf16 [m, dim]."""
-    from .kernels_triton import weighted_swiglu_triton
-
+    expert (x_quantized: already ``kernels_quantized.quantize_for_wgmma``'s values), counts [E], routing weights
+    fp32 [m], codes/scales as stored -> bf16 [m, dim]."""
     tm = token_tile(rows_per_expert(x.shape[0], w1.shape[0]))
     starts = group_starts(counts.to(x.device), tm)  # one routing, three GEMMs
     u8 = [t.view(torch.uint8) for t in (w1, w1_scale, w3, w3_scale, w2, w2_scale)]
-    a, _ = _act_quant_t(x, qdq=True, permute=True)
+    a = x if x_quantized else _act_quant_t(x, qdq=True, permute=True)[0]
     gate = fp4_grouped_gemm_wgmma(a, u8[0], u8[1], counts, tm, starts=starts)
     up = fp4_grouped_gemm_wgmma(a, u8[2], u8[3], counts, tm, starts=starts)
-    h, _ = _act_quant_t(weighted_swiglu_triton(gate, up, weights.float(), limit), qdq=True, permute=True)
+    # the weighted SwiGLU and w2's activation quantization in one pass over gate and up
+    h, _ = _act_quant_t(gate, qdq=True, permute=True, swiglu=(up, weights, limit))
     return fp4_grouped_gemm_wgmma(h, u8[4], u8[5], counts, tm, starts=starts)

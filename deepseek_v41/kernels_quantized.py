@@ -29,7 +29,8 @@ block (architecture.md §4, §6).  These functions do the same on the GPU withou
   share the activation tiles) with the SwiGLU in its epilogue.  On Hopper with nvcc, for 2 to 2,047 rows per expert
   (``WGMMA_EXPERT_ROWS``; one row per expert from ``WGMMA_SINGLE_ROWS`` rows routed), the three GEMMs run on the CUDA
   kernel of ``kernels_fp4_wgmma.py`` instead (codes decoded in registers into wgmma's register operand), the SwiGLU
-  between them.
+  between them in w2's activation-quantization pass; ``KeptFp4Experts`` then quantizes its tokens before their top-k
+  copy (``quantize_for_wgmma``, ``x_quantized=True``).
 
 ``quantized_gemm_usable(x)`` says whether these kernels can run for ``x`` (CUDA, Triton, FP8 tensor cores: compute
 capability 8.9 or newer).  Elsewhere the callers (``kept.py``) decode one weight tile at a time instead.
@@ -107,15 +108,27 @@ def act_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 if triton is not None:
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
-                          QDQ: tl.constexpr, PERMUTE: tl.constexpr = False):
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, up_ptr, w_ptr, limit, BLOCK_M: tl.constexpr,
+                          GROUPS: tl.constexpr, QDQ: tl.constexpr, PERMUTE: tl.constexpr = False,
+                          SWIGLU: tl.constexpr = 0):
         # x [M, K] -> q fp8 [M, K] and s fp32 [ceil(K/32), M] (scale-major: the GEMMs read a row tile per K block);
         # QDQ: q is the quantized values themselves in bf16 (code times scale: exact), no s; PERMUTE: q's columns in
-        # the wgmma FP4 kernel's order, input 16t + 4s + 2h + l of each 64 at column 16s + 8h + 2t + l
+        # the wgmma FP4 kernel's order, input 16t + 4s + 2h + l of each 64 at column 16s + 8h + 2t + l.
+        # SWIGLU (1, 2: with the clamps): x is the gate and the quantized input weighted_swiglu_triton's output,
+        # silu(min(gate, limit)) * clamp(up, +-limit) * w[row] rounded to bf16, computed here (one pass, no h)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * GROUPS * 32 + tl.arange(0, GROUPS * 32)
         live = (rows[:, None] < M) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=live, other=0.0)
+        if SWIGLU:
+            g = x.to(tl.float32)
+            u = tl.load(up_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=live,
+                        other=0.0).to(tl.float32)
+            if SWIGLU == 2:
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+                g = tl.minimum(g, limit)
+            w = tl.load(w_ptr + rows, mask=rows < M, other=0.0)
+            x = (g * tl.sigmoid(g) * u * w[:, None]).to(tl.bfloat16)
         x = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, 32))
         amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
         bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
@@ -558,21 +571,30 @@ def _scale_arg(scale: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
     raise TypeError(f"{name} must be float8_e8m0fnu (UE8M0) or float32, got {scale.dtype}")
 
 
-def _act_quant_t(x: torch.Tensor, qdq: bool = False, permute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _act_quant_t(x: torch.Tensor, qdq: bool = False, permute: bool = False,
+                 swiglu: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     # x [M, K] -> (codes fp8 [M, K], scales fp32 [ceil(K/32), M]), the FP8 MMA's layout; qdq: (the quantized values
     # in bf16 [M, K], the same tensor as an unused placeholder), what the bf16 MMA reads; permute (qdq, K a multiple
-    # of 64): the columns in the wgmma FP4 kernel's order
+    # of 64): the columns in the wgmma FP4 kernel's order.  swiglu = (up [M, K], weights fp32 [M], limit): x is the
+    # gate, and what is quantized weighted_swiglu_triton(x, up, weights, limit), in the same pass
     if permute and (not qdq or x.shape[1] % 64):
         raise ValueError(f"the permuted layout holds bf16 values (qdq) of K a multiple of 64, got K={x.shape[1]}")
     x = x.contiguous()
     m, k = x.shape
+    up, weights, limit = swiglu if swiglu is not None else (x, x, 0.0)
+    if swiglu is not None:
+        if x.dtype != torch.bfloat16 or up.shape != x.shape or up.dtype != x.dtype or tuple(weights.shape) != (m,):
+            raise ValueError(f"swiglu: gate and up bf16 [M, K] and weights [M], got {tuple(x.shape)} {x.dtype}, "
+                             f"{tuple(up.shape)} {up.dtype} and {tuple(weights.shape)}")
+        up, weights = up.contiguous(), weights.float().contiguous()
     codes = torch.empty(m, k, dtype=torch.bfloat16 if qdq else torch.float8_e4m3fn, device=x.device)
     scales = codes if qdq else torch.empty(ceil_div(k, GROUP), m, dtype=torch.float32, device=x.device)
     if m and k:
         block_m, groups = 32, 4
         grid = (triton.cdiv(m, block_m), triton.cdiv(k, groups * GROUP))
-        _act_quant_kernel[grid](x, codes, scales, m, k, x.stride(0), BLOCK_M=block_m, GROUPS=groups, QDQ=qdq,
-                                PERMUTE=permute, num_warps=4)
+        _act_quant_kernel[grid](x, codes, scales, m, k, x.stride(0), up, weights, float(limit), BLOCK_M=block_m,
+                                GROUPS=groups, QDQ=qdq, PERMUTE=permute,
+                                SWIGLU=0 if swiglu is None else 2 if limit > 0 else 1, num_warps=4)
     return codes, scales
 
 
@@ -808,10 +830,30 @@ def fp4_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor
 
 
 @torch.compiler.disable
+def fp4_experts_on_wgmma(x: torch.Tensor, m: int, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether ``fp4_grouped_experts`` of m routed rows (on x's device; UE8M0 scales, the default configs) runs on
+    the wgmma kernel (``WGMMA_EXPERT_ROWS``, ``WGMMA_SINGLE_ROWS``; Hopper with nvcc; dim and inter multiples of
+    64), which can then take activations quantized before the top-k copy (``x_quantized``)."""
+    n_experts, inter, dim = w1.shape[0], w1.shape[1], 2 * w1.shape[2]
+    rows = rows_per_expert(m, n_experts)
+    lo, hi = WGMMA_EXPERT_ROWS or (0, 0)
+    return ((rows >= lo or m >= WGMMA_SINGLE_ROWS) and rows < hi and dim % 64 == 0 and inter % 64 == 0
+            and tuple(w2.shape) == (n_experts, dim, inter // 2) and hopper_usable(x))
+
+
+def quantize_for_wgmma(x: torch.Tensor) -> torch.Tensor:
+    """x bf16 [n, K] -> its FP8 values (per-32 UE8M0 groups, the official activation quantization) as bf16 in the
+    wgmma kernel's column order: what ``fp4_grouped_experts(..., x_quantized=True)`` takes, after the rows are
+    copied to their experts (a token's copies are the same values, so quantizing before the copy is k times less
+    work than after)."""
+    return _act_quant_t(x, qdq=True, permute=True)[0]
+
+
 def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit: float, *,
-                        configs=(None, None)) -> torch.Tensor:
+                        configs=(None, None), x_quantized: bool = False) -> torch.Tensor:
     """The routed experts' clamped SwiGLU on the stored FP4 weights (see the module docstring): x bf16 [m, dim]
-    sorted by expert, counts [E], routing weights fp32 [m] -> bf16 [m, dim]."""
+    sorted by expert, counts [E], routing weights fp32 [m] -> bf16 [m, dim].  x_quantized: x is
+    ``quantize_for_wgmma``'s output (on the wgmma route only, ``fp4_experts_on_wgmma``)."""
     m, dim = x.shape
     w1c, w1s, e8m0 = _check_fp4(w1, w1_scale, dim, "w1")
     w3c, w3s, e8m0_3 = _check_fp4(w3, w3_scale, dim, "w3")
@@ -829,13 +871,14 @@ def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_s
         return x.new_empty(0, dim, dtype=torch.bfloat16)
     counts = counts.to(x.device)
     rows = rows_per_expert(m, n_experts)
-    lo, hi = WGMMA_EXPERT_ROWS or (0, 0)
-    wgmma_rows = (rows >= lo or m >= WGMMA_SINGLE_ROWS) and rows < hi
-    if (configs == (None, None) and wgmma_rows and e8m0 and e8m0_2 and dim % 64 == 0 and inter % 64 == 0
-            and hopper_usable(x)):
+    if configs == (None, None) and e8m0 and e8m0_2 and fp4_experts_on_wgmma(x, m, w1, w2):
         from .kernels_fp4_wgmma import fp4_grouped_experts_wgmma
 
-        return fp4_grouped_experts_wgmma(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit)
+        return fp4_grouped_experts_wgmma(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit,
+                                         x_quantized=x_quantized)
+    if x_quantized:
+        raise ValueError("fp4_grouped_experts: x_quantized=True is for the wgmma route only (check it with "
+                         "fp4_experts_on_wgmma); pass the bf16 activations")
     if (configs == (None, None) and rows >= DECODED_EXPERT_ROWS
             and not torch.cuda.is_current_stream_capturing()):
         return _decoded_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit)

@@ -100,6 +100,15 @@ def combine_top_k(y: torch.Tensor, order: torch.Tensor, n: int, k: int, shared: 
     return _CombineTopK.apply(y, order, k, shared).view(n, y.shape[-1])
 
 
+def sort_by_expert(expert_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_ids [n, k] in [0, E) -> (order [n·k]: sorted row j holds (token, choice) slot order[j], counts [E])."""
+    flat = expert_ids.flatten()
+    order = flat.argsort(stable=True)
+    # rows per expert: a scatter-add rather than bincount, whose CUDA kernel reads the ids' min and max back to the
+    # host (a device sync in every MoE layer's forward); the ids are in [0, E) by construction
+    return order, flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def dispatch_top_k(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
     """Token rows x [n, dim] -> [n·k, dim] in sorted order (row j holds token ``order[j] // k``)."""
     return _GatherTokens.apply(x, order, k)
@@ -202,11 +211,7 @@ class RoutedExperts(nn.Module):
             routed = self.dispatcher(self, x, expert_ids, weights)
             return routed if shared is None else (routed + shared.float()).to(shared.dtype)
         n, k = expert_ids.shape
-        flat = expert_ids.flatten()
-        order = flat.argsort(stable=True)  # sorted row j holds (token, choice) slot order[j]
-        # rows per expert: a scatter-add rather than bincount, whose CUDA kernel reads the ids' min and max back to
-        # the host (a device sync in every MoE layer's forward); the ids are in [0, E) by construction
-        counts = flat.new_zeros(self.w1.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))
+        order, counts = sort_by_expert(expert_ids, self.w1.shape[0])
         y = self.grouped_forward(dispatch_top_k(x, order, k), counts, weights.flatten()[order])  # [n·k, dim]
         return combine_top_k(y, order, n, k, shared)
 

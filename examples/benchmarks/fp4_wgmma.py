@@ -6,7 +6,9 @@
 A case is ``experts:rows:routing`` (rows = tokens x top-6, sorted by expert; routing balanced, zipf or random).
 For each ``--cases`` case, the whole routed-expert block (gate/up, SwiGLU, down): the model's bf16
 ``grouped_forward`` (the baseline), the package's ``fp4_grouped_experts`` as configured, and the same on the wgmma
-kernel; each output's distance to bf16 (the FP8 activation rounding, ~4.7e-2) is printed too.  ``--gemms``: for each
+kernel, also with the SwiGLU and w2's activation quantization as two passes (before their fusion) and with the
+activations quantized before the top-k copy (a sixth of the rows, as ``KeptFp4Experts`` does on this route); each
+output's distance to bf16 (the FP8 activation rounding, ~4.7e-2) is printed too.  ``--gemms``: for each
 ``--gemm-cases`` case and routed-expert GEMM shape (w1/w3: 5120 -> 2304, w2: 2304 -> 5120), ``torch._grouped_mm`` in
 bf16 on the decoded weights (the baseline), the weights decoded to bf16 first and the same GEMM, the Triton FP4
 kernel at its default configuration for the rows, the wgmma kernel at its token tile for the rows (``--all-tiles``:
@@ -142,9 +144,29 @@ def expert_blocks(experts, counts, limit):
     x = torch.randn(rows, 5120, device="cuda").bfloat16()
     wts = torch.rand(rows, device="cuda")
     fp4 = (x, counts, wts, *e8[0], *e8[1], *e8[2], limit)
+    tokens = x[: max(1, rows // 6)]  # top-6 routing: the tokens whose copies x holds
+    xq = kq.quantize_for_wgmma(x)
     return {"bf16 grouped_forward": lambda: model.grouped_forward(x, counts, wts),
             "fp4_grouped_experts": lambda: kq.fp4_grouped_experts(*fp4),
-            "wgmma experts": lambda: kw.fp4_grouped_experts_wgmma(*fp4)}
+            "wgmma experts": lambda: kw.fp4_grouped_experts_wgmma(*fp4),
+            "  SwiGLU, quant apart": partial(swiglu_apart, *fp4),
+            "  quant before top-k": lambda: (kq.quantize_for_wgmma(tokens),
+                                             kw.fp4_grouped_experts_wgmma(xq, *fp4[1:], x_quantized=True))[1]}
+
+
+def swiglu_apart(x, counts, wts, w1, w1s, w3, w3s, w2, w2s, limit):
+    # the wgmma experts block with the weighted SwiGLU and w2's activation quantization as two passes (the
+    # composition before they were fused)
+    from deepseek_v41.kernels_triton import weighted_swiglu_triton
+
+    u8 = [t.view(torch.uint8) for t in (w1, w1s, w3, w3s, w2, w2s)]
+    tm = kw.token_tile(kq.rows_per_expert(x.shape[0], w1.shape[0]))
+    starts = kq.group_starts(counts, tm)
+    a = kq._act_quant_t(x, qdq=True, permute=True)[0]
+    gate = kw.fp4_grouped_gemm_wgmma(a, u8[0], u8[1], counts, tm, starts=starts)
+    up = kw.fp4_grouped_gemm_wgmma(a, u8[2], u8[3], counts, tm, starts=starts)
+    h = kq._act_quant_t(weighted_swiglu_triton(gate, up, wts.float(), limit), qdq=True, permute=True)[0]
+    return kw.fp4_grouped_gemm_wgmma(h, u8[4], u8[5], counts, tm, starts=starts)
 
 
 def bench_experts(args, lines):

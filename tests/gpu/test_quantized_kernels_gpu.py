@@ -345,6 +345,60 @@ def test_fp4_grouped_experts(counts, dim, inter, limit, configs, monkeypatch):
     assert rel_err(out, bf16) < quant_err + 4 * BF16_ROUNDING
 
 
+@pytest.mark.parametrize("m,k,limit", [(333, 320, 1.0), (1, 2304, 10.0), (130, 2304, 0.0)])
+def test_act_quant_with_the_swiglu_is_the_two_passes(m, k, limit):
+    # the fused pass (the wgmma experts' w2 input) against weighted_swiglu_triton then the quantizer, bit for bit,
+    # and against the eager SwiGLU + the reference quantizer (sigmoid's fp32 ulps may move a bf16 rounding of h)
+    from deepseek_v41.kernels_fp4_wgmma import permute_k64
+    from deepseek_v41.kernels_triton import weighted_swiglu_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(m + k)
+    g, up = ((torch.randn(m, k, device="cuda", generator=gen) * 4).bfloat16() for _ in range(2))
+    weights = torch.rand(m, device="cuda", generator=gen)
+    fused, _ = kq._act_quant_t(g, qdq=True, permute=True, swiglu=(up, weights, limit))
+    two_pass, _ = kq._act_quant_t(weighted_swiglu_triton(g, up, weights, limit), qdq=True, permute=True)
+    assert fused.dtype == torch.bfloat16 and torch.equal(fused, two_pass)
+    eager = permute_k64(deq_act(*kq.act_quant_reference(weighted_swiglu(g, up, weights, limit).cpu())).cuda())
+    # sigmoid's fp32 ulps move a rare bf16 rounding of h (then its FP8 code): measured 0 / 0 / 1.07e-6 (H100,
+    # 2026-12-07); gate ~5x
+    gate(f"swiglu act quant m={m} k={k} limit={limit} vs eager", rel_err(fused, eager), 5e-6)
+
+
+def test_experts_quantized_before_the_top_k_copy(monkeypatch):
+    # KeptFp4Experts on the wgmma route quantizes the n tokens, then copies them to their experts: the same output,
+    # bit for bit, as the rows copied first and quantized after (RoutedExperts.forward -> grouped_forward)
+    if not hopper():
+        pytest.skip("the wgmma kernel needs an sm_90 GPU and nvcc")
+    from deepseek_v41.kept import KeptFp4Experts
+
+    n, k, experts, dim, inter = 97, 6, 16, 256, 192
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    config = SimpleNamespace(n_routed_experts=experts, hidden_size=dim, moe_intermediate_size=inter, swiglu_limit=10.0)
+    module = KeptFp4Experts(config, {"experts": "torch_mm"}).cuda()
+    for name, (rows, cols) in (("w1", (inter, dim)), ("w3", (inter, dim)), ("w2", (dim, inter))):
+        codes, scales = fp4_experts(experts, rows, cols, gen)
+        getattr(module, name).copy_(codes)
+        getattr(module, f"{name}_scale").copy_(scales)
+    module.eval()
+    x = torch.randn(n, dim, device="cuda", generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, device="cuda", generator=gen)
+    quantized = []
+    original = kq.quantize_for_wgmma
+    monkeypatch.setattr(kq, "quantize_for_wgmma", lambda t: quantized.append(t.shape[0]) or original(t))
+    with torch.no_grad():
+        out = module(x, ids, weights)
+        copied_first = RoutedExperts.forward(module, x, ids, weights)
+    assert kq.fp4_experts_on_wgmma(x, n * k, module.w1, module.w2) and quantized == [n]
+    assert out.dtype == copied_first.dtype and torch.equal(out, copied_first)
+    with pytest.raises(ValueError, match="wgmma route only"):
+        monkeypatch.setattr(kq, "WGMMA_EXPERT_ROWS", None)
+        monkeypatch.setattr(kq, "WGMMA_SINGLE_ROWS", 1 << 30)
+        kq.fp4_grouped_experts(x, torch.tensor([n] + [0] * (experts - 1), device="cuda"), weights[:, 0],
+                               module.w1, module.w1_scale, module.w3, module.w3_scale, module.w2, module.w2_scale,
+                               10.0, x_quantized=True)
+
+
 def test_fp4_grouped_experts_without_rows():
     gen = torch.Generator(device="cuda").manual_seed(2)
     w1, w3, w2 = fp4_experts(2, 64, 32, gen), fp4_experts(2, 64, 32, gen), fp4_experts(2, 32, 64, gen)
