@@ -289,9 +289,8 @@ class KeptFp4Experts(RoutedExperts):
         # RoutedExperts.forward; where the experts run on the wgmma kernel, x [n, dim] is quantized (FP8 values in
         # the kernel's column order) before its rows are copied to their k experts: k times fewer rows to quantize
         kernels = quantized_kernels(x)
-        if (self.dispatcher is not None or kernels is None or self.w1_scale.dtype != torch.float8_e8m0fnu
-                or self.w2_scale.dtype != torch.float8_e8m0fnu
-                or not kernels.fp4_experts_on_wgmma(x, expert_ids.numel(), self.w1, self.w2)):
+        if (self.dispatcher is not None or kernels is None
+                or not kernels.fp4_experts_on_wgmma(x, expert_ids.numel(), self.w1, self.w1_scale, self.w2_scale)):
             return super().forward(x, expert_ids, weights, shared)
         _refuse_training(self)
         n, k = expert_ids.shape

@@ -830,17 +830,20 @@ def fp4_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor
 
 
 @torch.compiler.disable
-def fp4_experts_on_wgmma(x: torch.Tensor, m: int, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether ``fp4_grouped_experts`` of m routed rows (on x's device; UE8M0 scales, the default configs) runs on
-    the wgmma kernel (``WGMMA_EXPERT_ROWS``, ``WGMMA_SINGLE_ROWS``; Hopper with nvcc; dim and inter multiples of
-    64), which can then take activations quantized before the top-k copy (``x_quantized``)."""
+def fp4_experts_on_wgmma(x: torch.Tensor, m: int, w1: torch.Tensor, w1_scale: torch.Tensor,
+                         w2_scale: torch.Tensor) -> bool:
+    """Whether ``fp4_grouped_experts`` of m routed rows (on x's device, the default configs) runs on the wgmma kernel
+    (``WGMMA_EXPERT_ROWS``, ``WGMMA_SINGLE_ROWS``; Hopper with nvcc; UE8M0 scales; dim and inter multiples of 64),
+    which can then take activations quantized before the top-k copy (``x_quantized``)."""
     n_experts, inter, dim = w1.shape[0], w1.shape[1], 2 * w1.shape[2]
     rows = rows_per_expert(m, n_experts)
     lo, hi = WGMMA_EXPERT_ROWS or (0, 0)
-    return ((rows >= lo or m >= WGMMA_SINGLE_ROWS) and rows < hi and dim % 64 == 0 and inter % 64 == 0
-            and tuple(w2.shape) == (n_experts, dim, inter // 2) and hopper_usable(x))
+    e8m0 = w1_scale.dtype == w2_scale.dtype == torch.float8_e8m0fnu
+    return ((rows >= lo or m >= WGMMA_SINGLE_ROWS) and rows < hi and e8m0 and dim % 64 == 0 and inter % 64 == 0
+            and hopper_usable(x))
 
 
+@torch.compiler.disable
 def quantize_for_wgmma(x: torch.Tensor) -> torch.Tensor:
     """x bf16 [n, K] -> its FP8 values (per-32 UE8M0 groups, the official activation quantization) as bf16 in the
     wgmma kernel's column order: what ``fp4_grouped_experts(..., x_quantized=True)`` takes, after the rows are
@@ -849,6 +852,7 @@ def quantize_for_wgmma(x: torch.Tensor) -> torch.Tensor:
     return _act_quant_t(x, qdq=True, permute=True)[0]
 
 
+@torch.compiler.disable
 def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit: float, *,
                         configs=(None, None), x_quantized: bool = False) -> torch.Tensor:
     """The routed experts' clamped SwiGLU on the stored FP4 weights (see the module docstring): x bf16 [m, dim]
@@ -871,7 +875,7 @@ def fp4_grouped_experts(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_s
         return x.new_empty(0, dim, dtype=torch.bfloat16)
     counts = counts.to(x.device)
     rows = rows_per_expert(m, n_experts)
-    if configs == (None, None) and e8m0 and e8m0_2 and fp4_experts_on_wgmma(x, m, w1, w2):
+    if configs == (None, None) and fp4_experts_on_wgmma(x, m, w1, w1_scale, w2_scale):
         from .kernels_fp4_wgmma import fp4_grouped_experts_wgmma
 
         return fp4_grouped_experts_wgmma(x, counts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit,

@@ -389,7 +389,7 @@ def test_experts_quantized_before_the_top_k_copy(monkeypatch):
     with torch.no_grad():
         out = module(x, ids, weights)
         copied_first = RoutedExperts.forward(module, x, ids, weights)
-    assert kq.fp4_experts_on_wgmma(x, n * k, module.w1, module.w2) and quantized == [n]
+    assert kq.fp4_experts_on_wgmma(x, n * k, module.w1, module.w1_scale, module.w2_scale) and quantized == [n]
     assert out.dtype == copied_first.dtype and torch.equal(out, copied_first)
     with pytest.raises(ValueError, match="wgmma route only"):
         monkeypatch.setattr(kq, "WGMMA_EXPERT_ROWS", None)
