@@ -87,7 +87,14 @@ def attention_backend(name: str):
         from .kernels_tilelang import indexer_scores_tilelang, sparse_attention_tilelang
 
         return sparse_attention_tilelang, indexer_scores_tilelang
-    return sparse_attention_torch, indexer_scores_torch
+    return sparse_attention_torch, indexer_scores_model_dtype
+
+
+def indexer_scores_model_dtype(q, weights, index_k, ratio, visible=None, query_offset: int = 0):
+    """``indexer_scores_torch`` rounded as the official Indexer rounds: per-head dot products, weighted values and
+    head sum in q's dtype (bf16 in a bf16 model; an fp32 model's are unchanged).  Its top-k then picks what the
+    official one picks, near-ties included (fp32 scores chose another entry for ~1.6 % of the fixture's queries)."""
+    return indexer_scores_torch(q, weights, index_k, ratio, visible, query_offset, score_dtype=q.dtype)
 
 
 def torch_attention_bytes(config, layer: int, batch: int, seq: int, kv_bytes: int) -> int:
@@ -227,7 +234,8 @@ class Indexer(nn.Module):
         # (query_offset: the position of x's first query when x is a chunk of a prefill)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.fp4_qdq(apply_rope(q, cis, inplace=True))
-        weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        # scaled in the projection's dtype, then fp32 (the official rounding: bf16 weights in a bf16 model)
+        weights = (self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)).float()
         return score_fn(q, weights, index_k, ratio, query_offset=query_offset)
 
 
@@ -413,7 +421,7 @@ class Attention(nn.Module):
         b, s = x.shape[:2]
         chunk = s
         if visible is None:
-            products = 2 * self.indexer.n_heads if score_fn is indexer_scores_torch else 0
+            products = 2 * self.indexer.n_heads if score_fn in (indexer_scores_torch, indexer_scores_model_dtype) else 0
             chunk = min(indexer_query_chunk(b, s, index_k.shape[1], products), s)
         topk, kept_blocks = [], []
         with torch.no_grad():  # hard top-k: the indexer gets no LM gradient
@@ -510,6 +518,6 @@ class Attention(nn.Module):
                     q, w = q.reshape(b, n, *q.shape[2:]), w.reshape(b, n, -1)
                     if self.decode_index_kernel and inference_kernel_usable(q) and index_scores_fits(q):
                         return index_scores_triton(q, w, k, visible)
-                    return indexer_scores_torch(q, w, k, ratio, visible)
+                    return indexer_scores_model_dtype(q, w, k, ratio, visible)
                 self._publish_topk(state, xt, qr, cis, score_fn, visible)
         return state.read(self.kv_source, "compressed_kv")

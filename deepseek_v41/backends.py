@@ -48,7 +48,7 @@ _REGISTRY = {
     "quant": {"torch": ((), False), "tile_kernels": (("tile_kernels",), True)},
     # a decode step's indexer scores: one Triton kernel (kernels_triton.index_scores_triton) where it runs
     # (CUDA inference; "auto" falls back to eager elsewhere, "triton" asks for CUDA), or always eager ("torch":
-    # the per-head products in fp32, the reference the kernel is tested against)
+    # the reference the kernel is tested against; both round a bf16 model's scores as the official Indexer does)
     "decode_indexer": {"auto": ((), False), "torch": ((), False), "triton": (("triton",), True)},
 }
 

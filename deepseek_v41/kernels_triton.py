@@ -312,9 +312,11 @@ if triton is not None:
 
     @triton.jit
     def _index_scores_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, n, T, H: tl.constexpr, D: tl.constexpr,
-                             BT: tl.constexpr):
-        # one query row (b·n + j) x BT entries: q bf16 [b·n, H, D], w fp32 [b·n, H], k [b, T, D] (bf16 values),
-        # vis int64 [b·n] -> out fp32 [b·n, T] = sum_h w_h relu(q_h . k_t), -inf at t >= vis
+                             BT: tl.constexpr, ROUND: tl.constexpr):
+        # one query row (b·n + j) x BT entries: q bf16 [b·n, H, D], w fp32 [b·n, H] (bf16 values), k [b, T, D]
+        # (bf16 values), vis int64 [b·n] -> out fp32 [b·n, T] = sum_h w_h relu(q_h . k_t), -inf at t >= vis,
+        # with ROUND (a bf16 model) rounded where the official bf16 Indexer rounds: each dot product, each weighted
+        # value, the head sum; without (an fp32 model) fp32 throughout
         row = tl.program_id(1)
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         h = tl.arange(0, H)
@@ -324,7 +326,11 @@ if triton is not None:
         keys = tl.load(k_rows, mask=(t < T)[:, None], other=0.0).to(q.dtype)  # [BT, D], bf16 (exact)
         dots = tl.dot(q, tl.trans(keys))  # fp32 [H, BT]: bf16 products are exact, the sums fp32
         w = tl.load(w_ptr + row.to(tl.int64) * H + h)
-        scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+        if ROUND:
+            weighted = tl.maximum(dots.to(tl.bfloat16), 0.0) * w.to(tl.bfloat16)[:, None]
+            scores = tl.sum(weighted.to(tl.bfloat16).to(tl.float32), axis=0).to(tl.bfloat16).to(tl.float32)
+        else:
+            scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
         scores = tl.where(t < tl.load(vis_ptr + row), scores, float("-inf"))
         tl.store(out_ptr + row.to(tl.int64) * T + t, scores, mask=t < T)
 
@@ -517,12 +523,14 @@ def index_scores_fits(q: torch.Tensor) -> bool:
 
 
 def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, visible: torch.Tensor):
-    """``sparse_attention.indexer_scores_torch`` for a decode step, in one kernel: q [b, n, H, D], weights fp32
-    [b, n, H], index_k [b, T, D], visible [b, n] (entries each query sees) -> fp32 scores [b, n, T], -inf at
-    t >= visible.  Eager forms the per-head products [b, n, H, T] in fp32 and reads them three times (at batch 32
-    and 32k entries, 134 MB per pass and layer); here they stay in registers.  q and the keys hold MXFP4 values
-    (``quantization.fp4_qdq``: two-bit significands), exact in bf16: the products are exact on bf16 tensor cores
-    and only the fp32 summation order differs from eager's."""
+    """``sparse_attention.indexer_scores_torch(..., score_dtype=q.dtype)`` for a decode step, in one kernel:
+    q [b, n, H, D], weights [b, n, H], index_k [b, T, D], visible [b, n] (entries each query sees) -> fp32 scores
+    [b, n, T], -inf at t >= visible; for a bf16 q rounded as the official bf16 Indexer rounds them (bf16 values).
+    Eager forms the per-head products [b, n, H, T] and reads them three times (at batch 32 and 32k entries, 134 MB
+    per pass and layer); here they stay in registers.  q and the keys hold MXFP4 values (``quantization.fp4_qdq``:
+    two-bit significands), exact in bf16: the products are exact on bf16 tensor cores; only the fp32 summation
+    orders (over D, over the heads) differ from eager's, which moves a rounded score by one bf16 ulp where a sum
+    falls next to a rounding boundary."""
     b, n, H, D = q.shape
     T = index_k.shape[1]
     out = torch.empty(b, n, T, dtype=torch.float32, device=q.device)
@@ -533,6 +541,6 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, index_k: torch.T
     block_t = 64
     _index_scores_kernel[(triton.cdiv(T, block_t), rows)](
         q16, weights.float().contiguous(), index_k.contiguous(), visible.reshape(rows).to(torch.int64).contiguous(),
-        out, n, T, H=H, D=D, BT=block_t, num_warps=4,
+        out, n, T, H=H, D=D, BT=block_t, ROUND=q.dtype == torch.bfloat16, num_warps=4,
     )
     return out

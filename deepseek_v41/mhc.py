@@ -44,7 +44,10 @@ def hc_split_sinkhorn(mixes, scale, base, hc: int, sinkhorn_iters: int, eps: flo
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
-    comb = torch.softmax(comb, dim=-1) + eps
+    # exp(x - max) / sum written out (the official rounding; torch.softmax's fused kernel differs by fp32 ulps, which
+    # move ~1e-4 of the bf16 streams through hc_post)
+    comb = torch.exp(comb - comb.amax(-1, keepdim=True).detach())
+    comb = comb / comb.sum(-1, keepdim=True) + eps
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)

@@ -152,9 +152,16 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, offi
     # the checker's own max-KL gates (conversion/compare_with_official.py, calibrated at ~3x the worst of 22 prompts
     # x both --weights), not fitted to these 2 rows: here max KL in_window 1.6e-3 of 3.5e-2, past_window 4.4e-3 of
     # 6.6e-2 (1 and 2 threads); the bug tests below show what fails them
-    for metrics in (every, last):  # two implementations: close, never identical
+    for metrics in (every, last):  # two implementations: close; identical where both run the same bf16 roundings
         for name, figures in metrics["classes"].items():
-            assert 0 < figures["mean_kl"] <= figures["max_kl"] <= whole["gates"][name]["max_kl"], name
+            if weights == "bf16" and metrics is every:
+                # our bf16 path rounds where the official one does (the sparse attention's unnormalised block
+                # probabilities, the indexer's bf16 scores, the mHC softmax); only the stream mix's fp32 summation
+                # order differs (an einsum against a sum of products).  Measured mean KL in_window / past_window
+                # 5.9e-8 / 1.3e-7, max 2.2e-6 / 3.8e-6 (before: mean 4.2e-5 / 2.3e-4, max 4.3e-4 / 4.4e-3); gates ~5x
+                assert abs(figures["mean_kl"]) <= 6e-7 and abs(figures["max_kl"]) <= 2e-5, (name, figures)
+            else:  # the official FP8 path (or its fp32 head, for the returned logits) against ours: never identical
+                assert 0 < figures["mean_kl"] <= figures["max_kl"] <= whole["gates"][name]["max_kl"], name
         assert metrics["decisive"]["top1"] == 1.0 and metrics["decisive"]["positions"] > 0
     assert whole["reference_rel_l2"] < 1e-6  # measured 2.9e-8; other CPUs sum fp32 GEMMs in other orders
     calls = whole["official_run"]["kernel_calls"]

@@ -5,10 +5,10 @@ Two launches share every check: ``A`` (world 4, EP 2, ep_shard 2) trains 3 updat
 exports, then reloads its step 2 and saves it again; ``B`` (world 2, EP 2) trains the same 3 updates, then
 loads ``A``'s step 2 and saves it again.  This file is also their torchrun worker (``__main__``).
 
-In fp32 the two layouts agree to ~1e-6 in loss (measured: bit-identical losses, gradient norms to 1e-7
-relative) under the recipe's warmup.  In bf16 (the tiny recipe's dtypes) they agree to ~3e-3 after 3 updates,
-as closely as world 4 EP 4 agrees with world 2 EP 2: the bf16 gradients and truncated parameters round
-differently when the sums run over other rank groupings.
+In fp32 the two layouts agree closely under the recipe's warmup (measured over seven seeds: losses within
+1.3e-6, gradient norms within 2.4e-5 relative; see the gates).  In bf16 (the tiny recipe's dtypes) they agree to ~3e-3
+after 3 updates, as closely as world 4 EP 4 agrees with world 2 EP 2: the bf16 gradients and truncated parameters
+round differently when the sums run over other rank groupings.
 """
 
 import json
@@ -58,10 +58,14 @@ def test_experts_are_sharded_at_rest_and_training_matches_ep_shard_1(runs):
     got, ref = records(a), records(b)
     assert sorted(got) == sorted(ref) == [1, 2, 3]
     for step in ref:
-        # loss: measured 0 at every step; gate ~4 fp32 ulps of the loss, for the gloo sums over 4 vs 2 ranks.
-        # grad norm: measured rel 7.9e-8 (step 3; the workers run at 1 thread); gate 3.8x
+        # The same sums grouped over 4 vs 2 ranks (batch 1 vs 2 per rank, gloo sums; the workers run at 1 thread),
+        # measured at the recipe's seed and at seeds 1-6 (this code at 1234, 3 and 6; the code before it at all
+        # seven): loss differences 0 to 1.3e-6 (~3 fp32 ulps of the loss); gradient-norm ratios 0 to 2.4e-5 off 1
+        # (seed 6, step 3, this code; 5.9e-6 before; 5.5e-7 at this seed), spread over two orders of magnitude by
+        # seed, as a near-tie top-k pick decided differently by the two groupings would.
+        # Gates 3-4x the worst (this seed alone, 7.9e-8 before the attention's blockwise softmax, had set 3e-7)
         assert abs(got[step]["loss"] - ref[step]["loss"]) < 4e-6, (step, got[step], ref[step])
-        assert abs(got[step]["grad_norm"] / ref[step]["grad_norm"] - 1) < 3e-7, (step, got[step], ref[step])
+        assert abs(got[step]["grad_norm"] / ref[step]["grad_norm"] - 1) < 1e-4, (step, got[step], ref[step])
     assert ref[3]["lr"] > ref[2]["lr"] > 0  # step 3's loss follows a real update (the warmup starts at 0)
 
 
