@@ -70,8 +70,7 @@ def test_kept_fp8_path_against_the_official_fp8_path(fixture):
     4.0e-4 (gate 6e-4, 1.5x; one top-1 flip, max KL 1.6e-2).  Before the roundings matched, 3.0e-4 / 8.8e-4.
     On CPU the same path, activations quantized as the kernels quantize them, gives the official FP8 run's logits
     (text bit-identical, vision 9.7e-7; tests/test_kept.py): what is left here is GPU arithmetic (GEMM summation
-    orders, the FP8 tensor cores' accumulation), which the vision fixture amplifies more (our bf16 path on the
-    GPU: 4.3e-5 text, 8.8e-5 vision from the official bf16 run)."""
+    orders, the FP8 tensor cores' accumulation), which the vision fixture amplifies more."""
     if kept_module.quantized_kernels(torch.empty(1, device="cuda", dtype=torch.bfloat16)) is None:
         pytest.skip(f"deepseek_v41.kernels_quantized is not usable here: {kept_module._kernels_error}")
     model = load(fixture, None)
