@@ -72,11 +72,14 @@ def _hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     # y [b, s, d], x [b, s, hc, d] -> [b, s, hc, d]: out_j = post_j * y + sum_i comb[i, j] * x_i
-    return by_positions(_hc_post, y, x, post, comb, block=MHC_POSITIONS)
+    # (its fp32 products [b, s, hc, hc, d] are hc stream copies: hc times fewer positions at a time)
+    return by_positions(_hc_post, y, x, post, comb, block=MHC_POSITIONS // x.shape[2])
 
 
 def _hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    mixed = torch.einsum("bsij,bsid->bsjd", comb.float(), x.float())
+    # the stream mix rounded as the official rounds it: fp32 products summed over the source stream (an einsum's
+    # GEMM fuses the multiply-adds in its own order, which moves ~1e-4 of the bf16 outputs by an ulp)
+    mixed = (comb.float().unsqueeze(-1) * x.float().unsqueeze(-2)).sum(2)  # [b, s, hc(src), hc(dst), d] -> dst
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(x.dtype)
 
 

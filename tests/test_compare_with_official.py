@@ -156,10 +156,10 @@ def test_whole_and_streamed_pass_against_the_official_code(tmp_path, paths, offi
         for name, figures in metrics["classes"].items():
             if weights == "bf16" and metrics is every:
                 # our bf16 path rounds where the official one does (the sparse attention's unnormalised block
-                # probabilities, the indexer's bf16 scores, the mHC softmax); only the stream mix's fp32 summation
-                # order differs (an einsum against a sum of products).  Measured mean KL in_window / past_window
-                # 5.9e-8 / 1.3e-7, max 2.2e-6 / 3.8e-6 (before: mean 4.2e-5 / 2.3e-4, max 4.3e-4 / 4.4e-3); gates ~5x
-                assert abs(figures["mean_kl"]) <= 6e-7 and abs(figures["max_kl"]) <= 2e-5, (name, figures)
+                # probabilities, the indexer's bf16 scores, the mHC softmax and stream mix): measured 0 in both
+                # classes, the same bits (before: mean KL 4.2e-5 / 2.3e-4, max 4.3e-4 / 4.4e-3); 1e-6 leaves room
+                # for a CPU whose GEMM kernels pick another summation order for some shape
+                assert abs(figures["mean_kl"]) <= 1e-6 and abs(figures["max_kl"]) <= 1e-6, (name, figures)
             else:  # the official FP8 path (or its fp32 head, for the returned logits) against ours: never identical
                 assert 0 < figures["mean_kl"] <= figures["max_kl"] <= whole["gates"][name]["max_kl"], name
         assert metrics["decisive"]["top1"] == 1.0 and metrics["decisive"]["positions"] > 0

@@ -187,9 +187,20 @@ def test_a_block_wider_than_the_rings_goes_in_steps_the_rings_can_take(model_fp3
 
 
 @torch.no_grad()
-def test_a_prompt_continued_in_chunks_through_a_cache_with_room_equals_one_prefill(model_fp32, ids):
+@pytest.mark.parametrize("boundaries", ["identity", "as_released"])
+def test_a_prompt_continued_in_chunks_through_a_cache_with_room_equals_one_prefill(model_fp32, ids, boundaries,
+                                                                                   monkeypatch):
     # a long prompt fed in chunks (the memory of one forward bounded by the chunk): each chunk one step when the
-    # cache keeps chunk - 1 spare positions, the result the one-forward prefill's
+    # cache keeps chunk - 1 spare positions, the result the one-forward prefill's.  The KV and index quantize-
+    # dequantize boundaries (FP8 / FP4, as released) make that comparison discontinuous: the two paths sum in other
+    # orders, and a value one fp32 rounding off can land on the other side of an FP4 step.  With the boundaries as
+    # identities the two agree to fp32 round-off (measured 2.4e-7; gate ~4x); as released, to within such a flip
+    # (measured 1.9e-7 without one and 3.8e-5 with one, depending on the summation orders upstream; gate 1e-4)
+    if boundaries == "identity":
+        for module in model_fp32.modules():
+            for name in ("fp8_qdq", "fp4_qdq", "fp4_e4m3_scale_qdq"):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, lambda x: x)
     chunk = 16
     full = model_fp32(ids, logits_to_keep=1).logits
     for kind in ("growing", "static"):
@@ -202,8 +213,8 @@ def test_a_prompt_continued_in_chunks_through_a_cache_with_room_equals_one_prefi
             out = model_fp32(part, cache=cache, logits_to_keep=1)
         assert widths == [chunk] * (len(widths) - 1) + [widths[-1]] and len(widths) >= 2
         err = ((out.logits - full).norm() / full.norm()).item()
-        print(f"{kind}: chunks of {chunk} vs one prefill {err:.1e}")
-        assert err <= 1e-6, kind  # measured 1.9e-7 (growing and static); gate 5x
+        print(f"{boundaries} {kind}: chunks of {chunk} vs one prefill {err:.1e}")
+        assert err <= (1e-6 if boundaries == "identity" else 1e-4), kind
 
 
 @torch.no_grad()
