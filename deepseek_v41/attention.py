@@ -421,7 +421,7 @@ class Attention(nn.Module):
         b, s = x.shape[:2]
         chunk = s
         if visible is None:
-            products = 2 * self.indexer.n_heads if score_fn in (indexer_scores_torch, indexer_scores_model_dtype) else 0
+            products = 2 * self.indexer.n_heads if score_fn is indexer_scores_model_dtype else 0
             chunk = min(indexer_query_chunk(b, s, index_k.shape[1], products), s)
         topk, kept_blocks = [], []
         with torch.no_grad():  # hard top-k: the indexer gets no LM gradient

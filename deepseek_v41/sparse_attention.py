@@ -51,8 +51,8 @@ def sparse_attention_torch(
     p = (p.to(kv.dtype).float() * rescale.unsqueeze(-1)).flatten(-2)[..., : logits.shape[-1]]
     acc = torch.einsum("bshk,bskd->bshd", p, rows)
     # The sink joins the denominator only.  A query with no key (den 0, acc 0) measures it against itself: 0 / 1
-    keyless = den == 0
-    den = den + torch.exp(sink.float().view(1, 1, h) - torch.where(keyless, sink.float().view(1, 1, h).detach(), m))
+    sink = sink.float().view(1, 1, h)
+    den = den + torch.exp(sink - torch.where(den == 0, sink.detach(), m))
     return (acc / den.unsqueeze(-1)).to(q.dtype)
 
 
